@@ -1,0 +1,131 @@
+"""The Transformation type, chain, and apply_updates."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from shardopt.core._tree import PyTree, tree_map
+
+__all__ = [
+    "EmptyState",
+    "Transformation",
+    "apply_updates",
+    "chain",
+    "identity",
+    "init_count",
+]
+
+
+class InitFn(Protocol):
+    def __call__(self, params: PyTree) -> Any: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, updates: PyTree, state: Any, params: PyTree | None = None
+    ) -> tuple[PyTree, Any]: ...
+
+
+class Transformation(NamedTuple):
+    """A gradient transformation: two pure functions.
+
+    ``state = init(params)`` builds the state; ``updates, state = update(grads, state, params)``
+    maps gradients (or the updates of an earlier transformation) to updates. Neither function
+    modifies its inputs. Updates are added to the parameters by :func:`apply_updates`.
+
+    Gradient leaves may be ``None``: the parameter had no gradient this step, its update is
+    ``None`` and its state is left as it was (as ``torch.optim`` skips it).
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def identity() -> Transformation:
+    """A transformation that passes updates through unchanged.
+
+    Example:
+        >>> import torch
+        >>> tx = identity()
+        >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
+        [tensor([1.])]
+    """
+
+    def init(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+        del params
+        return updates, state
+
+    return Transformation(init, update)
+
+
+def chain(*transformations: Transformation) -> Transformation:
+    """Applies transformations one after the other; the state is the tuple of their states.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import scale
+        >>> tx = chain(scale(2.0), scale(-0.5))
+        >>> tx.update([torch.ones(2)], tx.init([torch.zeros(2)]))[0]
+        [tensor([-1., -1.])]
+    """
+    txs = tuple(transformations)
+
+    def init(params: PyTree) -> tuple[Any, ...]:
+        return tuple(tx.init(params) for tx in txs)
+
+    def update(updates: PyTree, state: tuple[Any, ...], params: PyTree | None = None):
+        if len(state) != len(txs):
+            raise ValueError(
+                f"chain: expected a state of {len(txs)} parts, got {len(state)}"
+            )
+        new_state = []
+        for tx, s in zip(txs, state):
+            updates, s = tx.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return Transformation(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Returns ``params + updates`` leaf by leaf (a new tree; ``None`` updates leave a leaf as is).
+
+    Example:
+        >>> import torch
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
+        {'w': tensor([0.5000, 0.5000])}
+    """
+
+    def add(p: torch.Tensor | None, u: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None or u is None:
+            return p
+        return p + u.to(p.dtype)
+
+    return tree_map(add, params, updates)
+
+
+def init_count(params: PyTree) -> PyTree:
+    """A per-parameter step count: a float32 0-d tensor on each parameter's device, zero.
+
+    [Note: per-parameter step counts]
+    ``torch.optim`` keeps ``state["step"]`` per parameter and does not advance it for a parameter
+    without a gradient. Keeping one count per leaf (not one per tree, as optax does) is what makes
+    skipped parameters, bias corrections and state dicts agree with torch exactly. Counts are
+    float32 tensors, like torch's, so they can be traced by ``torch.func``.
+    """
+    return tree_map(
+        lambda p: None if p is None else torch.zeros((), dtype=torch.float32, device=p.device),
+        params,
+    )
+
+
