@@ -8,6 +8,7 @@ from shardopt.core._base import (
     identity,
     init_count,
 )
+from shardopt.core._flat import FlatRule, flat_rule, update_flat_, with_flat_rule
 from shardopt.core._schedules import (
     ScalarOrSchedule,
     Schedule,
@@ -28,6 +29,7 @@ from shardopt.core._tree import PyTree, leafwise, tree_leaves, tree_map, tree_st
 
 __all__ = [
     "EmptyState",
+    "FlatRule",
     "PyTree",
     "ScalarOrSchedule",
     "ScaleByScheduleState",
@@ -37,6 +39,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "constant",
+    "flat_rule",
     "cosine_decay",
     "identity",
     "init_count",
@@ -49,5 +52,31 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_structure",
+    "update_flat_",
     "warmup_cosine_decay",
+    "with_flat_rule",
 ]
+
+# [Note: provisional lazy exports]
+# While the optimizer, transform and planner modules are being written, their public names are
+# found through each module's ``__all__`` on first access. Replaced by explicit imports once the
+# modules land.
+_PENDING = (
+    "_sgd", "_adam", "_adagrad", "_rmsprop", "_adamax", "_nadam", "_radam", "_adadelta",
+    "_rprop", "_clipping", "_combinators", "_accumulate", "_plan",
+)
+
+
+def __getattr__(name: str):
+    import importlib
+
+    for mod_name in _PENDING:
+        try:
+            mod = importlib.import_module(f"shardopt.core.{mod_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"shardopt.core.{mod_name}":
+                continue
+            raise
+        if name in getattr(mod, "__all__", ()):
+            return getattr(mod, name)
+    raise AttributeError(f"module 'shardopt.core' has no attribute {name!r}")

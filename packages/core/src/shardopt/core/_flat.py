@@ -1,0 +1,78 @@
+"""The in-place fast path for flat 1-D buffers: rules registered by the optimizer factories."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardopt.core._base import Transformation
+from shardopt.core._tree import tree_leaves
+
+__all__ = ["FlatRule", "flat_rule", "update_flat_", "with_flat_rule"]
+
+FlatRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
+
+# [Note: flat fast path]
+# Sharded code steps a few long 1-D tensors (a rank's shard of a flat buffer, or views of it),
+# not a tree of parameters. For that case an optimizer factory registers a *flat rule*: a
+# function ``rule(params, grads, state)`` that performs exactly the update of ``tx.update`` +
+# ``apply_updates``, but in place, on the lists ``params``/``grads`` and on the tensors of
+# ``state = tx.init(params)``, through torch's fused kernels where they exist for the device
+# (``torch._fused_adam_`` and friends) and foreach kernels otherwise. A ``None`` gradient skips
+# its parameter (no state change), as in the pure path. Rules are keyed by the identity of
+# ``tx.update`` (a NamedTuple cannot carry attributes); a transformation without a rule still
+# works through :func:`update_flat_`, which falls back to the pure path and copies back.
+_RULES: weakref.WeakKeyDictionary[Callable[..., Any], FlatRule] = weakref.WeakKeyDictionary()
+
+
+def with_flat_rule(tx: Transformation, rule: FlatRule) -> Transformation:
+    """Registers ``rule`` as the in-place flat fast path of ``tx`` and returns ``tx``."""
+    _RULES[tx.update] = rule
+    return tx
+
+
+def flat_rule(tx: Transformation) -> FlatRule | None:
+    """The registered flat rule of ``tx``, or ``None`` if it has none."""
+    return _RULES.get(tx.update)
+
+
+@torch.no_grad()
+def update_flat_(
+    tx: Transformation,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    state: Any,
+) -> None:
+    """Updates ``params`` and ``state`` in place with ``tx``, by its fast path where it has one.
+
+    ``state`` must come from ``tx.init(list(params))``. Without a registered rule, the pure path
+    runs and its results are copied back into ``params`` and into the tensors of ``state``.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import scale_by_learning_rate
+        >>> tx = scale_by_learning_rate(0.5)
+        >>> p = [torch.ones(3)]
+        >>> update_flat_(tx, p, [torch.ones(3)], tx.init(p))
+        >>> p
+        [tensor([0.5000, 0.5000, 0.5000])]
+    """
+    params, grads = list(params), list(grads)
+    if len(params) != len(grads):
+        raise ValueError(
+            f"update_flat_: expected as many grads as params, got {len(grads)} and {len(params)}"
+        )
+    rule = flat_rule(tx)
+    if rule is not None:
+        rule(params, grads, state)
+        return
+    updates, new_state = tx.update(grads, state, params)
+    for p, u in zip(params, updates):
+        if u is not None:
+            p.add_(u.to(p.dtype))
+    for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
+        if isinstance(old, torch.Tensor) and old is not new:
+            old.copy_(new)
