@@ -23,7 +23,7 @@ def _install(session: nox.Session, requirements: str = "ci/requirements.txt") ->
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Runs the whole suite with pytest-xdist (a run that collects nothing fails: pytest exits 5)."""
+    """Runs the whole suite with pytest-xdist (a run that collects nothing fails: exit 5)."""
     _install(session)
     args = session.posargs or ["-n", "auto", "--timeout=600", *TEST_PATHS]
     session.run("pytest", *args, env=THREAD_ENV)

@@ -104,7 +104,9 @@ def run_equivalence(
     gen = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):
         grads = [
-            None if skip(step, i) else torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
+            None
+            if skip(step, i)
+            else torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
             for i, p in enumerate(leaves)
         ]
         for tp, g in zip(torch_leaves, grads):

@@ -1,5 +1,17 @@
 """shardopt.core: pure, JAX-style optimizers that match torch.optim, and partition planners."""
 
+from shardopt.core._accumulate import MultiStepsState, multi_steps
+from shardopt.core._adadelta import ScaleByAdadeltaState, adadelta
+from shardopt.core._adagrad import AdagradConfig, ScaleByAdagradState, adagrad, scale_by_adagrad
+from shardopt.core._adam import (
+    AdamConfig,
+    ScaleByAdamState,
+    adam,
+    adamw,
+    add_decoupled_weight_decay,
+    scale_by_adam,
+)
+from shardopt.core._adamax import ScaleByAdamaxState, adamax
 from shardopt.core._base import (
     EmptyState,
     Transformation,
@@ -8,7 +20,22 @@ from shardopt.core._base import (
     identity,
     init_count,
 )
+from shardopt.core._clipping import clip, clip_by_global_norm, global_norm
+from shardopt.core._combinators import MaskedState, PartitionState, masked, partition
 from shardopt.core._flat import FlatRule, flat_rule, update_flat_, with_flat_rule
+from shardopt.core._nadam import ScaleByNadamState, nadam
+from shardopt.core._plan import (
+    FlatGroup,
+    Piece,
+    Plan,
+    Strategy,
+    SyncCost,
+    TensorSpec,
+    plan_partition,
+)
+from shardopt.core._radam import ScaleByRadamState, radam
+from shardopt.core._rmsprop import ScaleByRmsState, rmsprop
+from shardopt.core._rprop import ScaleByRpropState, rprop, scale_by_rprop
 from shardopt.core._schedules import (
     ScalarOrSchedule,
     Schedule,
@@ -19,64 +46,93 @@ from shardopt.core._schedules import (
     resolve,
     warmup_cosine_decay,
 )
+from shardopt.core._sgd import SGDConfig, TraceState, sgd, step_by_learning_rate, trace
 from shardopt.core._transforms import (
     ScaleByScheduleState,
     add_decayed_weights,
     scale,
     scale_by_learning_rate,
 )
-from shardopt.core._tree import PyTree, leafwise, tree_leaves, tree_map, tree_structure
+from shardopt.core._tree import (
+    PyTree,
+    leafwise,
+    tree_leaves,
+    tree_map,
+    tree_structure,
+    zeros_like_tree,
+)
 
 __all__ = [
+    "AdagradConfig",
+    "AdamConfig",
     "EmptyState",
+    "FlatGroup",
     "FlatRule",
+    "MaskedState",
+    "MultiStepsState",
+    "PartitionState",
+    "Piece",
+    "Plan",
     "PyTree",
+    "SGDConfig",
     "ScalarOrSchedule",
+    "ScaleByAdadeltaState",
+    "ScaleByAdagradState",
+    "ScaleByAdamState",
+    "ScaleByAdamaxState",
+    "ScaleByNadamState",
+    "ScaleByRadamState",
+    "ScaleByRmsState",
+    "ScaleByRpropState",
     "ScaleByScheduleState",
     "Schedule",
+    "Strategy",
+    "SyncCost",
+    "TensorSpec",
+    "TraceState",
     "Transformation",
+    "adadelta",
+    "adagrad",
+    "adam",
+    "adamax",
+    "adamw",
     "add_decayed_weights",
+    "add_decoupled_weight_decay",
     "apply_updates",
     "chain",
+    "clip",
+    "clip_by_global_norm",
     "constant",
-    "flat_rule",
     "cosine_decay",
+    "flat_rule",
+    "global_norm",
     "identity",
     "init_count",
     "join_schedules",
     "leafwise",
     "linear_warmup",
+    "masked",
+    "multi_steps",
+    "nadam",
+    "partition",
+    "plan_partition",
+    "radam",
     "resolve",
+    "rmsprop",
+    "rprop",
     "scale",
+    "scale_by_adagrad",
+    "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_rprop",
+    "sgd",
+    "step_by_learning_rate",
+    "trace",
     "tree_leaves",
     "tree_map",
     "tree_structure",
     "update_flat_",
     "warmup_cosine_decay",
     "with_flat_rule",
+    "zeros_like_tree",
 ]
-
-# [Note: provisional lazy exports]
-# While the optimizer, transform and planner modules are being written, their public names are
-# found through each module's ``__all__`` on first access. Replaced by explicit imports once the
-# modules land.
-_PENDING = (
-    "_sgd", "_adam", "_adagrad", "_rmsprop", "_adamax", "_nadam", "_radam", "_adadelta",
-    "_rprop", "_clipping", "_combinators", "_accumulate", "_plan",
-)
-
-
-def __getattr__(name: str):
-    import importlib
-
-    for mod_name in _PENDING:
-        try:
-            mod = importlib.import_module(f"shardopt.core.{mod_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"shardopt.core.{mod_name}":
-                continue
-            raise
-        if name in getattr(mod, "__all__", ()):
-            return getattr(mod, name)
-    raise AttributeError(f"module 'shardopt.core' has no attribute {name!r}")

@@ -61,7 +61,9 @@ def identity() -> Transformation:
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree | None = None
+    ) -> tuple[PyTree, EmptyState]:
         del params
         return updates, state
 
@@ -83,11 +85,11 @@ def chain(*transformations: Transformation) -> Transformation:
     def init(params: PyTree) -> tuple[Any, ...]:
         return tuple(tx.init(params) for tx in txs)
 
-    def update(updates: PyTree, state: tuple[Any, ...], params: PyTree | None = None):
+    def update(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree | None = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
         if len(state) != len(txs):
-            raise ValueError(
-                f"chain: expected a state of {len(txs)} parts, got {len(state)}"
-            )
+            raise ValueError(f"chain: expected a state of {len(txs)} parts, got {len(state)}")
         new_state = []
         for tx, s in zip(txs, state):
             updates, s = tx.update(updates, s, params)
@@ -127,5 +129,3 @@ def init_count(params: PyTree) -> PyTree:
         lambda p: None if p is None else torch.zeros((), dtype=torch.float32, device=p.device),
         params,
     )
-
-

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 
@@ -19,8 +19,8 @@ __all__ = [
     "warmup_cosine_decay",
 ]
 
-Schedule = Callable[[torch.Tensor], Union[float, torch.Tensor]]
-ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+Schedule = Callable[[torch.Tensor], float | torch.Tensor]
+ScalarOrSchedule = float | torch.Tensor | Schedule
 
 # [Note: schedule counts]
 # A schedule is called with the number of updates already applied to the parameter (0 for the
@@ -103,7 +103,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             "join_schedules: expected len(schedules) == len(boundaries) + 1, got "
             f"{len(schedules)} schedules and {len(boundaries)} boundaries"
         )
-    if any(b <= a for a, b in zip(boundaries, boundaries[1:])) or any(b < 0 for b in boundaries):
+    if any(b <= a for a, b in itertools.pairwise(boundaries)) or any(b < 0 for b in boundaries):
         raise ValueError(
             f"join_schedules: expected increasing non-negative boundaries, got {list(boundaries)}"
         )
@@ -129,7 +129,11 @@ def warmup_cosine_decay(
         >>> float(s(torch.tensor(1.0))), float(s(torch.tensor(2.0)))
         (0.5, 1.0)
     """
-    return join_schedules(
-        [linear_warmup(peak_value, warmup_steps), cosine_decay(peak_value, decay_steps - warmup_steps, alpha=alpha)],
-        [warmup_steps],
-    )
+    if decay_steps <= warmup_steps:
+        raise ValueError(
+            "warmup_cosine_decay: expected decay_steps > warmup_steps, got "
+            f"{decay_steps} and {warmup_steps}"
+        )
+    warmup = linear_warmup(peak_value, warmup_steps)
+    decay = cosine_decay(peak_value, decay_steps - warmup_steps, alpha=alpha)
+    return join_schedules([warmup, decay], [warmup_steps])

@@ -38,7 +38,9 @@ def scale(factor: float | torch.Tensor) -> Transformation:
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree | None = None
+    ) -> tuple[PyTree, EmptyState]:
         del params
         new, _ = leafwise(lambda g, p: (g * factor,), updates, None)
         return new, state
@@ -65,7 +67,7 @@ def scale_by_learning_rate(
     def init(params: PyTree) -> Any:
         return ScaleByScheduleState(init_count(params)) if callable(learning_rate) else EmptyState()
 
-    def update(updates: PyTree, state: Any, params: PyTree | None = None):
+    def update(updates: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]:
         del params
         if not callable(learning_rate):
             new, _ = leafwise(lambda g, p: (g * (sign * learning_rate),), updates, None)
@@ -82,7 +84,7 @@ def scale_by_learning_rate(
 
 
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0) -> Transformation:
-    """Adds ``weight_decay * param`` to the updates (L2 regularisation, as torch's ``weight_decay``).
+    """Adds ``weight_decay * param`` to the updates (L2 decay, as torch's ``weight_decay``).
 
     Example:
         >>> import torch
@@ -95,10 +97,17 @@ def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0) -> Transformat
         del params
         return EmptyState()
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None):
+    def update(
+        updates: PyTree, state: EmptyState, params: PyTree | None = None
+    ) -> tuple[PyTree, EmptyState]:
         if params is None:
             raise ValueError("add_decayed_weights: expected params, got None")
-        new, _ = leafwise(lambda g, p: (g.add(p, alpha=weight_decay) if not isinstance(weight_decay, torch.Tensor) else g + weight_decay * p,), updates, params)
+        new, _ = leafwise(rule, updates, params)
         return new, state
+
+    def rule(g: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor]:
+        if isinstance(weight_decay, torch.Tensor):  # differentiable: no alpha= scalar
+            return (torch.addcmul(g, p, weight_decay.to(p.dtype)),)
+        return (g.add(p, alpha=weight_decay),)
 
     return Transformation(init, update)

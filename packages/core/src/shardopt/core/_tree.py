@@ -1,4 +1,4 @@
-"""Pytree helpers over torch.utils._pytree where a None leaf means "no gradient for this parameter"."""
+"""Pytree helpers over torch.utils._pytree; a None leaf means "no gradient for this parameter"."""
 
 from __future__ import annotations
 

@@ -1,0 +1,194 @@
+"""Combinators: a transformation for some leaves (``masked``) or one per label (``partition``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from torch.utils import _pytree as pytree
+
+from shardopt.core._base import Transformation
+from shardopt.core._tree import PyTree, tree_leaves, tree_structure
+
+__all__ = ["MaskedState", "PartitionState", "masked", "partition"]
+
+LeafSpec = PyTree | Callable[[PyTree], PyTree]
+
+# [Note: sub-lists as param groups]
+# ``masked`` and ``partition`` hand each inner transformation the flat *list* of its leaves, in
+# the leaf order of the params tree (``None`` counted as a leaf), not a copy of the tree with
+# holes. That is exactly the ``params`` list of a torch.optim param group, so the inner state of
+# a label reads like the state of that group; and an inner transformation never sees (and never
+# has to skip) a leaf that is not its own. A ``None`` gradient inside a group still reaches the
+# inner transformation, which skips it as usual. The mask or labels are plain Python values
+# (bools, hashable labels), resolved again at every call: they are static structure, so the
+# combinators trace under torch.func.grad and torch.func.vmap.
+
+
+class MaskedState(NamedTuple):
+    """The state of :func:`masked`: the inner state over the list of selected leaves."""
+
+    inner_state: Any
+
+
+class PartitionState(NamedTuple):
+    """The state of :func:`partition`: one inner state per label, over that label's leaves."""
+
+    inner_states: dict[Hashable, Any]
+
+
+def _resolve(api: str, what: str, spec: LeafSpec, reference: PyTree) -> list[Any]:
+    """The per-leaf values of ``spec`` (a tree shaped like ``reference``, or a callable of it)."""
+    tree = spec(reference) if callable(spec) else spec
+    got, expected = tree_structure(tree), tree_structure(reference)
+    if got != expected:
+        raise ValueError(
+            f"{api}: expected {what} with the tree structure of the params {expected}, got {got}"
+        )
+    return tree_leaves(tree)
+
+
+def _check_same_structure(api: str, updates: PyTree, params: PyTree | None) -> None:
+    if params is not None and tree_structure(updates) != tree_structure(params):
+        raise ValueError(
+            f"{api}: expected updates and params of the same structure, got "
+            f"{tree_structure(updates)} and {tree_structure(params)}"
+        )
+
+
+def _update_group(
+    api: str,
+    tx: Transformation,
+    index: Sequence[int],
+    updates: list[Any],
+    params: list[Any] | None,
+    state: Any,
+    out: list[Any],
+) -> Any:
+    """Runs ``tx`` on the leaves at ``index``, puts their updates in ``out``, returns its state."""
+    sub_params = None if params is None else [params[i] for i in index]
+    sub_updates, new_state = tx.update([updates[i] for i in index], state, sub_params)
+    sub_leaves = tree_leaves(sub_updates)
+    if len(sub_leaves) != len(index):
+        raise ValueError(
+            f"{api}: expected the inner transformation to return {len(index)} updates, got "
+            f"{len(sub_leaves)}"
+        )
+    for i, u in zip(index, sub_leaves):
+        out[i] = u
+    return new_state
+
+
+def masked(inner: Transformation, mask: LeafSpec) -> Transformation:
+    """Applies ``inner`` to the leaves where ``mask`` is True; the other updates pass unchanged.
+
+    ``mask`` is a tree of Python bools with the structure of the params, or a callable that
+    returns one from the params (from the updates when ``update`` gets no params). ``inner``
+    sees the list of the selected leaves (see [Note: sub-lists as param groups]). Masked-out
+    updates are passed through as they come (to freeze parameters, partition them to
+    ``scale(0.0)``).
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import add_decayed_weights
+        >>> tx = masked(add_decayed_weights(1.0), {"w": True, "b": False})
+        >>> params = {"w": torch.ones(1), "b": torch.ones(1)}
+        >>> tx.update({"w": torch.zeros(1), "b": torch.zeros(1)}, tx.init(params), params)[0]
+        {'w': tensor([1.]), 'b': tensor([0.])}
+
+    Raises:
+        ValueError: if the mask has another structure than the params or a non-bool leaf.
+    """
+
+    def flags_of(reference: PyTree) -> list[bool]:
+        flags = _resolve("masked", "a mask", mask, reference)
+        for i, flag in enumerate(flags):
+            if not isinstance(flag, bool):
+                raise ValueError(
+                    f"masked: expected a mask of Python bools, got {type(flag).__name__} "
+                    f"at leaf {i}"
+                )
+        return flags
+
+    def init(params: PyTree) -> MaskedState:
+        leaves = tree_leaves(params)
+        return MaskedState(inner.init([p for p, f in zip(leaves, flags_of(params)) if f]))
+
+    def update(
+        updates: PyTree, state: MaskedState, params: PyTree | None = None
+    ) -> tuple[PyTree, MaskedState]:
+        _check_same_structure("masked", updates, params)
+        leaves, spec = pytree.tree_flatten(updates, is_leaf=lambda x: x is None)
+        flags = flags_of(updates if params is None else params)
+        index = [i for i, f in enumerate(flags) if f]
+        out = list(leaves)
+        p_leaves = None if params is None else tree_leaves(params)
+        inner_state = _update_group(
+            "masked", inner, index, leaves, p_leaves, state.inner_state, out
+        )
+        return pytree.tree_unflatten(out, spec), MaskedState(inner_state)
+
+    return Transformation(init, update)
+
+
+def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -> Transformation:
+    """Applies ``transforms[label]`` to the leaves of each label: param groups, functionally.
+
+    ``labels`` is a tree of hashable labels with the structure of the params, or a callable that
+    returns one from the params (from the updates when ``update`` gets no params). Every label
+    must be a key of ``transforms``; each transformation sees the list of its leaves (see
+    [Note: sub-lists as param groups]), and a label without leaves gets an empty list.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import scale
+        >>> tx = partition({"a": scale(2.0), "b": scale(0.0)}, ["a", "b"])
+        >>> tx.update([torch.ones(1), torch.ones(1)], tx.init([torch.ones(1)] * 2))[0]
+        [tensor([2.]), tensor([0.])]
+
+    Raises:
+        ValueError: if ``transforms`` is empty, if the labels have another structure than the
+            params, or if a label is not a key of ``transforms``.
+    """
+    txs = dict(transforms)
+    if not txs:
+        raise ValueError("partition: expected at least one transformation, got none")
+
+    def groups_of(reference: PyTree) -> dict[Hashable, list[int]]:
+        groups: dict[Hashable, list[int]] = {label: [] for label in txs}
+        for i, label in enumerate(_resolve("partition", "labels", labels, reference)):
+            if label not in groups:
+                raise ValueError(
+                    f"partition: expected every label to be one of {list(txs)}, got {label!r} "
+                    f"at leaf {i}"
+                )
+            groups[label].append(i)
+        return groups
+
+    def init(params: PyTree) -> PartitionState:
+        leaves = tree_leaves(params)
+        groups = groups_of(params)
+        return PartitionState({k: txs[k].init([leaves[i] for i in groups[k]]) for k in txs})
+
+    def update(
+        updates: PyTree, state: PartitionState, params: PyTree | None = None
+    ) -> tuple[PyTree, PartitionState]:
+        _check_same_structure("partition", updates, params)
+        if list(state.inner_states) != list(txs):
+            raise ValueError(
+                f"partition: expected a state with labels {list(txs)}, got "
+                f"{list(state.inner_states)}"
+            )
+        leaves, spec = pytree.tree_flatten(updates, is_leaf=lambda x: x is None)
+        groups = groups_of(updates if params is None else params)
+        p_leaves = None if params is None else tree_leaves(params)
+        out = list(leaves)
+        new_states = {
+            k: _update_group(
+                "partition", txs[k], groups[k], leaves, p_leaves, state.inner_states[k], out
+            )
+            for k in txs
+        }
+        return pytree.tree_unflatten(out, spec), PartitionState(new_states)
+
+    return Transformation(init, update)

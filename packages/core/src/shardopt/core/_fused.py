@@ -1,0 +1,325 @@
+"""Flat in-place rules of sgd, adam, adamw and adagrad: torch's fused kernels, else foreach."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from shardopt.core._base import EmptyState
+from shardopt.core._flat import update_flat_
+from shardopt.core._schedules import ScalarOrSchedule, resolve
+from shardopt.core._transforms import ScaleByScheduleState
+from shardopt.core._tree import tree_leaves
+
+if TYPE_CHECKING:
+    from shardopt.core._adagrad import AdagradConfig
+    from shardopt.core._adam import AdamConfig
+    from shardopt.core._sgd import SGDConfig
+
+__all__ = ["Kernel", "select_kernel", "update_adagrad_", "update_adam_", "update_sgd_"]
+
+T = TypeVar("T")
+Tensors = list[torch.Tensor]
+Lr = float | torch.Tensor
+
+# [Note: flat rules]
+# A rule (see [Note: flat fast path]) drops the parameters without a gradient, picks a kernel for
+# the rest and updates parameters and state tensors in place:
+# - FUSED: ``torch._fused_<name>_`` on CPU and CUDA, one launch per (device, dtype, lr) group.
+#   Counts are float32 0-d tensors on the parameter's device, which is what the kernels take as
+#   ``state_steps``. A schedule gives each parameter its own lr tensor (its count may differ
+#   when some parameters skipped steps), hence one launch per parameter: telling equal values
+#   apart would need a device-to-host read.
+# - FOREACH: ``torch._foreach_*`` kernels with the arithmetic of the pure path, for other devices,
+#   non-contiguous tensors and what the fused kernels lack (SGD's dampened first step).
+# - PURE: the pure transformation, copied back, for tensor hyperparameters other than lr, and
+#   for parameters whose gradients have another dtype or device.
+# Every count of the factory's chain advances by one per parameter stepped, as in the pure path,
+# so the pure path and the flat rule can take turns on the same state.
+
+
+class Kernel(enum.Enum):
+    """How a flat rule updates its tensors (see [Note: flat rules])."""
+
+    FUSED = "fused"
+    FOREACH = "foreach"
+    PURE = "pure"
+
+
+_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def select_kernel(params: Tensors, grads: Tensors, *, fusable: bool = True) -> Kernel:
+    """The kernel for these parameters and their (non-None) gradients.
+
+    Example:
+        >>> import torch
+        >>> select_kernel([torch.zeros(2)], [torch.ones(2)])
+        <Kernel.FUSED: 'fused'>
+    """
+    if any(g.dtype != p.dtype or g.device != p.device for p, g in zip(params, grads)):
+        return Kernel.PURE
+    if any(p.dtype not in _FLOAT_DTYPES for p in params):
+        return Kernel.PURE
+    if not fusable or any(p.device.type not in _FUSED_DEVICES for p in params):
+        return Kernel.FOREACH
+    # The fused kernels walk memory in order: every tensor must be laid out the same way.
+    if all(p.is_contiguous() and g.is_contiguous() for p, g in zip(params, grads)):
+        return Kernel.FUSED
+    return Kernel.FOREACH
+
+
+def split_state(state: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """The algorithm's own state in a factory's chain state, and the count trees of its
+    schedule pieces (``ScaleByScheduleState``)."""
+    main, counts = None, []
+    for part in state:
+        if isinstance(part, ScaleByScheduleState):
+            counts.append(part.count)
+        elif not isinstance(part, EmptyState):
+            main = part
+    return main, counts
+
+
+def _pick(xs: Sequence[T], idx: Sequence[int]) -> list[T]:
+    return [xs[i] for i in idx]
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """``tree_leaves``, without the pytree walk for the usual case of a list of tensors."""
+    return tree if type(tree) is list else tree_leaves(tree)
+
+
+def _learning_rates(lr: ScalarOrSchedule, counts: Tensors | None, n: int) -> list[Lr]:
+    if callable(lr):
+        assert counts is not None, "a schedule needs counts in the state"
+        return [resolve(lr, c) for c in counts]
+    return [lr] * n
+
+
+def _fused_groups(params: Tensors, lrs: list[Lr]) -> list[list[int]]:
+    """Indices of the parameters one fused launch can take: same device, dtype and lr."""
+    groups: dict[Any, list[int]] = {}
+    for i, (p, lr) in enumerate(zip(params, lrs)):
+        key = lr if isinstance(lr, (int, float)) else id(lr)
+        groups.setdefault((p.device, p.dtype, key), []).append(i)
+    return list(groups.values())
+
+
+def _kernel_lr(lr: Lr, device: torch.device) -> Lr:
+    """A float, or a tensor as the fused kernels read it (CUDA reads a float32 on the GPU)."""
+    if not isinstance(lr, torch.Tensor):
+        return float(lr)
+    if device.type == "cuda" and lr.device.type == "cuda":
+        return lr.to(dtype=torch.float32)
+    return lr
+
+
+def _drive(
+    config: Any,
+    params: Tensors,
+    grads: list[torch.Tensor | None],
+    state: Sequence[Any],
+    kernels: dict[Kernel, Callable[..., None]],
+    *,
+    fusable: bool,
+    supported: bool,
+) -> None:
+    """The common part of the rules: see [Note: flat rules]."""
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    if not idx:
+        return
+    every = len(idx) == len(grads)
+    ps, gs = params if every else _pick(params, idx), [g for g in grads if g is not None]
+    kernel = select_kernel(ps, gs, fusable=fusable) if supported else Kernel.PURE
+    if kernel is Kernel.PURE:
+        update_flat_(config.build(), params, grads, state)
+        return
+    main, schedule_counts = split_state(state)
+
+    def select(tree: Any) -> Tensors:
+        return _leaves(tree) if every else _pick(_leaves(tree), idx)
+
+    lists: dict[str, Tensors] = {}
+    if main is not None:
+        lists = {f: select(v) for f, v in zip(main._fields, main) if v is not None}
+    others = [select(c) for c in schedule_counts]
+    counts = lists.get("count", others[0] if others else None)
+    kernels[kernel](config, ps, gs, lists, _learning_rates(config.lr, counts, len(idx)))
+    if others:
+        torch._foreach_add_([c for cs in others for c in cs], 1)
+
+
+def _prepare_grads(maximize: bool, weight_decay: float, ps: Tensors, gs: Tensors) -> Tensors:
+    """``-g`` with maximize, ``+ weight_decay * p`` (L2): new tensors, the inputs are kept."""
+    if maximize:
+        gs = list(torch._foreach_neg(gs))
+    if weight_decay != 0:
+        gs = list(torch._foreach_add(gs, ps, alpha=weight_decay))
+    return list(gs)
+
+
+def _scalars_like(values: Sequence[Lr], ps: Tensors) -> list[Any]:
+    """Per-parameter scalars cast to the parameter's dtype, as the pure path's ops cast them."""
+    return [v.to(p.dtype) if isinstance(v, torch.Tensor) else v for v, p in zip(values, ps)]
+
+
+def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
+    """``p -= lr * u`` with the ops of ``step_by_learning_rate``."""
+    if all(isinstance(lr, (int, float)) for lr in lrs) and len(set(lrs)) == 1:
+        torch._foreach_add_(ps, us, alpha=-float(lrs[0]))
+        return
+    for p, u, lr in zip(ps, us, lrs):
+        if isinstance(lr, torch.Tensor):
+            p.addcmul_(u, lr.to(p.dtype), value=-1)
+        else:
+            p.add_(u, alpha=-lr)
+
+
+# SGD ----------------------------------------------------------------------------------------
+
+
+def update_sgd_(config: SGDConfig, params: Tensors, grads: list[Any], state: Any) -> None:
+    """The flat rule of :func:`~shardopt.core.sgd` (see [Note: flat rules])."""
+    damped = config.momentum != 0 and config.dampening != 0
+    plain = not isinstance(config.weight_decay, torch.Tensor)
+    kernels = {Kernel.FUSED: _fused_sgd, Kernel.FOREACH: _foreach_sgd}
+    _drive(config, params, grads, state, kernels, fusable=not damped, supported=plain)
+
+
+def _fused_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    # Zero buffers make is_first_step unnecessary: see [Note: momentum buffer starts at zero].
+    bufs = lists.get("momentum", [])
+    for group in _fused_groups(ps, lrs):
+        torch._fused_sgd_(
+            _pick(ps, group),
+            _pick(gs, group),
+            _pick(bufs, group) if bufs else [],
+            weight_decay=float(config.weight_decay),
+            momentum=config.momentum,
+            lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
+            dampening=config.dampening,
+            nesterov=config.nesterov,
+            maximize=config.maximize,
+            is_first_step=False,
+        )
+    if "count" in lists:
+        torch._foreach_add_(lists["count"], 1)
+
+
+def _foreach_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
+    if config.momentum != 0:
+        bufs, counts = lists["momentum"], lists["count"]
+        torch._foreach_mul_(bufs, config.momentum)
+        torch._foreach_add_(bufs, gs, alpha=1 - config.dampening)
+        if config.dampening != 0:
+            for buf, g, n in zip(bufs, gs, counts):
+                buf.copy_(torch.where(n == 0, g, buf))
+        gs = list(torch._foreach_add(gs, bufs, alpha=config.momentum)) if config.nesterov else bufs
+        torch._foreach_add_(counts, 1)
+    _descend_(ps, gs, lrs)
+
+
+# Adam and AdamW ------------------------------------------------------------------------------
+
+
+def update_adam_(config: AdamConfig, params: Tensors, grads: list[Any], state: Any) -> None:
+    """The flat rule of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
+    plain = not any(isinstance(x, torch.Tensor) for x in (*config.betas, config.weight_decay))
+    kernels = {Kernel.FUSED: _fused_adam, Kernel.FOREACH: _foreach_adam}
+    _drive(config, params, grads, state, kernels, fusable=True, supported=plain)
+
+
+def _fused_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    fn = torch._fused_adamw_ if config.decoupled_weight_decay else torch._fused_adam_
+    maxs = lists.get("nu_max", [])
+    for group in _fused_groups(ps, lrs):
+        steps = _pick(lists["count"], group)
+        torch._foreach_add_(steps, 1)
+        fn(
+            _pick(ps, group),
+            _pick(gs, group),
+            _pick(lists["mu"], group),
+            _pick(lists["nu"], group),
+            _pick(maxs, group) if maxs else [],
+            steps,
+            lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
+            beta1=float(config.betas[0]),
+            beta2=float(config.betas[1]),
+            weight_decay=float(config.weight_decay),
+            eps=config.eps,
+            amsgrad=config.amsgrad,
+            maximize=config.maximize,
+        )
+
+
+def _foreach_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    b1, b2 = float(config.betas[0]), float(config.betas[1])
+    wd, decoupled = float(config.weight_decay), config.decoupled_weight_decay
+    gs = _prepare_grads(config.maximize, 0.0 if decoupled else wd, ps, gs)
+    if decoupled and wd != 0:
+        for p, factor in zip(ps, _scalars_like([1 - lr * wd for lr in lrs], ps)):
+            p.mul_(factor)
+    mus, nus, counts = lists["mu"], lists["nu"], lists["count"]
+    torch._foreach_lerp_(mus, gs, 1 - b1)
+    torch._foreach_mul_(nus, b2)
+    torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
+    if config.amsgrad:
+        torch._foreach_maximum_(lists["nu_max"], nus)
+    denoms = torch._foreach_sqrt(lists["nu_max"] if config.amsgrad else nus)
+    scalars = [config.step_scalars(n, lr) for n, lr in zip(counts, lrs)]
+    torch._foreach_div_(denoms, _scalars_like([bc2_sqrt for _, bc2_sqrt in scalars], ps))
+    torch._foreach_add_(denoms, config.eps)
+    updates = torch._foreach_mul(mus, _scalars_like([-step for step, _ in scalars], ps))
+    torch._foreach_div_(updates, denoms)
+    torch._foreach_add_(ps, updates)
+    torch._foreach_add_(counts, 1)
+
+
+# Adagrad -------------------------------------------------------------------------------------
+
+
+def update_adagrad_(config: AdagradConfig, params: Tensors, grads: list[Any], state: Any) -> None:
+    """The flat rule of :func:`~shardopt.core.adagrad` (see [Note: flat rules])."""
+    plain = not isinstance(config.weight_decay, torch.Tensor)
+    kernels = {Kernel.FUSED: _fused_adagrad, Kernel.FOREACH: _foreach_adagrad}
+    _drive(config, params, grads, state, kernels, fusable=True, supported=plain)
+
+
+def _fused_adagrad(
+    config: AdagradConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
+) -> None:
+    for group in _fused_groups(ps, lrs):
+        steps = _pick(lists["count"], group)
+        torch._foreach_add_(steps, 1)
+        torch._fused_adagrad_(
+            _pick(ps, group),
+            _pick(gs, group),
+            _pick(lists["sum"], group),
+            steps,
+            lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
+            lr_decay=config.lr_decay,
+            weight_decay=float(config.weight_decay),
+            eps=config.eps,
+            maximize=config.maximize,
+        )
+
+
+def _foreach_adagrad(
+    config: AdagradConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
+) -> None:
+    gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
+    sums, counts = lists["sum"], lists["count"]
+    torch._foreach_addcmul_(sums, gs, gs, value=1)
+    std = torch._foreach_sqrt(sums)
+    torch._foreach_add_(std, config.eps)
+    steps = [-config.step_size(n, lr) for n, lr in zip(counts, lrs)]
+    updates = torch._foreach_mul(gs, _scalars_like(steps, ps))
+    torch._foreach_div_(updates, std)
+    torch._foreach_add_(ps, updates)
+    torch._foreach_add_(counts, 1)

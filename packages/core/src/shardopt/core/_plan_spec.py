@@ -1,0 +1,238 @@
+"""The plain-data records of partition plans: tensor specs, flat groups, pieces, sync costs."""
+
+from __future__ import annotations
+
+import functools
+import math
+import reprlib
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+__all__ = [
+    "FlatGroup",
+    "Piece",
+    "Strategy",
+    "SyncCost",
+    "TensorSpec",
+    "canonical_dtype",
+    "check_int",
+    "check_ints",
+    "first_difference",
+    "itemsize",
+    "short",
+]
+
+_REPR = reprlib.Repr()
+_REPR.maxtuple = _REPR.maxlist = 8
+
+
+class Strategy(str, Enum):
+    """How :func:`plan_partition` spreads parameters over ranks (see [Note: plan layout])."""
+
+    GREEDY = "greedy"
+    FLAT = "flat"
+
+
+def short(value: object) -> str:
+    """A repr of ``value`` cut to a few elements, for error messages."""
+    return _REPR.repr(value)
+
+
+def check_int(api: str, name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum``, else an error naming ``api`` and ``name``."""
+    if type(value) is not int:
+        raise TypeError(f"{api}: expected {name} to be an int >= {minimum}, got {short(value)}")
+    if value < minimum:
+        raise ValueError(f"{api}: expected {name} >= {minimum}, got {value}")
+    return value
+
+
+def check_ints(api: str, name: str, value: object, minimum: int) -> tuple[int, ...]:
+    """``value`` as a tuple of ints >= ``minimum`` (from a tuple or a list), or a clear error."""
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
+        raise TypeError(f"{api}: expected {name} to be a tuple of ints, got {short(value)}")
+    if value and min(value) < minimum:
+        raise ValueError(
+            f"{api}: expected every element of {name} >= {minimum}, got {short(value)}"
+        )
+    return tuple(value)
+
+
+def first_difference(want: object, got: object) -> str:
+    """': expected X, got Y', at the first differing index for sequences of equal length."""
+    if isinstance(want, tuple) and isinstance(got, tuple) and len(want) == len(got):
+        i = next(i for i, (w, g) in enumerate(zip(want, got)) if w != g)
+        return f" at index {i}: expected {short(want[i])}, got {short(got[i])}"
+    return f": expected {short(want)}, got {short(got)}"
+
+
+@functools.cache
+def canonical_dtype(name: str) -> str | None:
+    """The canonical torch dtype name of ``name`` ('float' -> 'float32'), or None if unknown."""
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+
+
+@functools.cache
+def _canonical_device(name: str) -> str | None:
+    try:
+        return str(torch.device(name))
+    except (RuntimeError, ValueError):
+        return None
+
+
+@functools.cache
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the canonical dtype name ``dtype``."""
+    return getattr(torch, dtype).itemsize
+
+
+def _check_dtype_device(api: str, obj: object, dtype: object, device: object) -> None:
+    """Validates ``dtype`` and ``device`` and stores their canonical names on ``obj``."""
+    canon = canonical_dtype(dtype) if isinstance(dtype, str) else None
+    if canon is None:
+        raise ValueError(
+            f"{api}: expected dtype to be a torch dtype name like 'float32', got {dtype!r}"
+        )
+    dev = _canonical_device(device) if isinstance(device, str) else None
+    if dev is None:
+        raise ValueError(f"{api}: expected device to be a torch device like 'cpu', got {device!r}")
+    object.__setattr__(obj, "dtype", canon)
+    object.__setattr__(obj, "device", dev)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a plan needs to know of one parameter: shape, dtype, device and param group.
+
+    ``dtype`` and ``device`` are stored canonically ('float' becomes 'float32', 'cuda:0' stays).
+
+    Example:
+        >>> spec = TensorSpec((4, 3), "float", "cpu")
+        >>> spec.dtype, spec.numel, spec.nbytes
+        ('float32', 12, 48)
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    param_group: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", check_ints("TensorSpec", "shape", self.shape, 0))
+        _check_dtype_device("TensorSpec", self, self.dtype, self.device)
+        check_int("TensorSpec", "param_group", self.param_group, 0)
+
+    @property
+    def numel(self) -> int:
+        """The number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The number of bytes of the elements."""
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, param_group: int = 0) -> TensorSpec:
+        """The spec of tensor ``t`` (real or on the ``meta`` device).
+
+        Example:
+            >>> TensorSpec.from_tensor(torch.empty(2, 5, device="meta", dtype=torch.bfloat16))
+            TensorSpec(shape=(2, 5), dtype='bfloat16', device='meta', param_group=0)
+        """
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"TensorSpec.from_tensor: expected a torch.Tensor, got {short(t)}")
+        return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), param_group)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Elements ``[start, stop)`` of flattened tensor ``tensor``, owned by one rank.
+
+    They lie at ``offset`` in that rank's shard of ``plan.groups[group]``.
+
+    Example:
+        >>> Piece(tensor=0, start=2, stop=5, group=0, offset=0).numel
+        3
+    """
+
+    tensor: int
+    start: int
+    stop: int
+    group: int
+    offset: int
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "start", "group", "offset"):
+            check_int("Piece", name, getattr(self, name), 0)
+        check_int("Piece", "stop", self.stop, self.start + 1)
+
+    @property
+    def numel(self) -> int:
+        """The number of elements, ``stop - start``."""
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class FlatGroup:
+    """One flat buffer: the tensors of one (dtype, device), ``world_size * shard_numel`` long.
+
+    Rank ``r`` owns elements ``[r * shard_numel, (r + 1) * shard_numel)``. Tensor
+    ``tensors[k]`` lies at element ``offsets[k]``; offsets do not decrease.
+
+    Example:
+        >>> FlatGroup("float32", "cpu", (0, 1), (0, 12), shard_numel=16, world_size=2).padded_numel
+        32
+    """
+
+    dtype: str
+    device: str
+    tensors: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shard_numel: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        _check_dtype_device("FlatGroup", self, self.dtype, self.device)
+        object.__setattr__(self, "tensors", check_ints("FlatGroup", "tensors", self.tensors, 0))
+        object.__setattr__(self, "offsets", check_ints("FlatGroup", "offsets", self.offsets, 0))
+        if len(self.tensors) != len(self.offsets):
+            raise ValueError(
+                f"FlatGroup: expected one offset per tensor, got {len(self.offsets)} offsets "
+                f"for {len(self.tensors)} tensors"
+            )
+        if len(set(self.tensors)) != len(self.tensors):
+            raise ValueError(f"FlatGroup: expected distinct tensors, got {short(self.tensors)}")
+        check_int("FlatGroup", "shard_numel", self.shard_numel, 0)
+        check_int("FlatGroup", "world_size", self.world_size, 1)
+
+    @property
+    def padded_numel(self) -> int:
+        """The length of the whole flat buffer, padding included."""
+        return self.world_size * self.shard_numel
+
+
+@dataclass(frozen=True, slots=True)
+class SyncCost:
+    """The communication of one parameter all-gather (see [Note: sync cost]).
+
+    Example:
+        >>> SyncCost(collectives=1, send_bytes_per_rank=96, recv_bytes_per_rank=96)
+        SyncCost(collectives=1, send_bytes_per_rank=96, recv_bytes_per_rank=96)
+    """
+
+    collectives: int
+    send_bytes_per_rank: int
+    recv_bytes_per_rank: int
+
+    def __post_init__(self) -> None:
+        for name in ("collectives", "send_bytes_per_rank", "recv_bytes_per_rank"):
+            check_int("SyncCost", name, getattr(self, name), 0)

@@ -1,0 +1,132 @@
+"""rmsprop against torch.optim.RMSprop: the option table, schedules and invalid hyperparameters."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from shardopt.core import rmsprop, tree_leaves, warmup_cosine_decay
+
+# Every option combination torch has (weight decay, momentum, centered, maximize).
+OPTIONS = [
+    {"weight_decay": wd, "momentum": m, "centered": c, "maximize": mx}
+    for wd, m, c, mx in itertools.product([0.0, 0.1], [0.0, 0.9], [False, True], [False, True])
+]
+STATE_KEYS = {"step": "count", "square_avg": "square_avg"}
+
+
+def skip_some(step: int, leaf: int) -> bool:
+    """Each leaf gets no gradient on every third step (a different step for each leaf)."""
+    return (step + leaf) % 3 == 0
+
+
+def learning_rate(kind: str, dtype: torch.dtype) -> float | torch.Tensor:
+    return 0.01 if kind == "float" else torch.tensor(0.01, dtype=dtype)
+
+
+def state_keys(options: dict[str, Any]) -> dict[str, str]:
+    """torch's state key -> our state field, for the buffers torch creates with ``options``."""
+    keys = dict(STATE_KEYS)
+    if options.get("centered"):
+        keys["grad_avg"] = "grad_avg"
+    if options.get("momentum", 0.0) > 0:
+        keys["momentum_buffer"] = "momentum"
+    return keys
+
+
+def assert_state_equal(run: Any, ours: list[torch.Tensor], key: str) -> None:
+    for name, a, b in zip(run.names, ours, run.torch_state(key)):
+        assert torch.equal(a.to(b.dtype), b), f"state {key} of {name} differs bitwise"
+
+
+def scheduled(cls: type[torch.optim.Optimizer], schedule: Any) -> type[torch.optim.Optimizer]:
+    """``cls`` whose ``step`` first sets the lr to ``schedule(number of steps taken)``."""
+
+    class Scheduled(cls):  # type: ignore[misc, valid-type]
+        def step(self, closure: Any = None) -> Any:
+            taken = getattr(self, "taken", 0)
+            for group in self.param_groups:
+                group["lr"] = float(schedule(torch.tensor(float(taken))))
+            self.taken = taken + 1
+            return super().step(closure)
+
+    return Scheduled
+
+
+def option_id(options: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items())
+
+
+# [Note: bitwise cases of rmsprop]
+# Without momentum torch's step is ``param.addcdiv_(grad, avg, value=-lr)``, which is
+# ``p + (-lr * g) / avg``: we return that update, so parameters and state are bitwise equal to
+# torch's. With momentum the step is a fused ``param.add_(buf, alpha=-lr)``; we return ``q - p``
+# for torch's result ``q``, exact except for the rare element where ``q`` and ``p`` are more than
+# a factor 2 apart, so the parameters are compared to tolerance, and the state bitwise where it
+# does not depend on them (no weight decay).
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
+def test_rmsprop_matches_torch_rmsprop_for_50_steps_with_skipped_grads(
+    equivalence: Any, options: dict[str, Any], dtype: torch.dtype, lr_kind: str
+) -> None:
+    lr = learning_rate(lr_kind, dtype)
+    run = equivalence(
+        rmsprop(lr, **options), torch.optim.RMSprop, {"lr": lr, **options}, dtype, skip=skip_some
+    )
+    state = run.state[-1]
+    run.assert_params_close()
+    bitwise_params = options["momentum"] == 0
+    if bitwise_params:
+        run.assert_params_equal()
+    for key, field in state_keys(options).items():
+        ours = tree_leaves(getattr(state, field))
+        run.assert_state_close(ours, key)
+        if bitwise_params or options["weight_decay"] == 0:
+            assert_state_equal(run, ours, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_rmsprop_matches_torch_rmsprop_with_every_grad_present(
+    equivalence: Any, dtype: torch.dtype
+) -> None:
+    run = equivalence(rmsprop(), torch.optim.RMSprop, {}, dtype)
+    run.assert_params_equal()
+    assert_state_equal(run, tree_leaves(run.state[-1].square_avg), "square_avg")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_rmsprop_with_a_schedule_matches_torch_with_that_lr_set_before_each_step(
+    equivalence: Any, dtype: torch.dtype, momentum: float
+) -> None:
+    schedule = warmup_cosine_decay(0.02, 5, 50)
+    cls = scheduled(torch.optim.RMSprop, schedule)
+    run = equivalence(
+        rmsprop(schedule, momentum=momentum), cls, {"lr": 0.0, "momentum": momentum}, dtype
+    )
+    run.assert_params_close()
+    if momentum == 0:
+        run.assert_params_equal()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -0.1}, "rmsprop: expected 0 <= lr, got -0.1"),
+        ({"alpha": -0.5}, "rmsprop: expected 0 <= alpha, got -0.5"),
+        ({"eps": -1e-8}, "rmsprop: expected 0 <= eps, got -1e-08"),
+        ({"weight_decay": -0.1}, "rmsprop: expected 0 <= weight_decay, got -0.1"),
+        ({"momentum": -0.9}, "rmsprop: expected 0 <= momentum, got -0.9"),
+        ({"lr": torch.ones(2)}, "rmsprop: expected a 0-d tensor lr, got shape (2,)"),
+    ],
+)
+def test_rmsprop_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rmsprop(**kwargs)
+    with pytest.raises(ValueError):
+        torch.optim.RMSprop([torch.zeros(1)], **kwargs)
