@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import Transformation, apply_updates
+from shardopt.core import Transformation, apply_updates, tree_leaves
+
+# [Note: shared test helpers]
+# Fixtures live here; plain helpers and parameter tables that several test modules share (gradient
+# skips, torch optimizers driven by a schedule, option ids, the factory table) live in
+# _core_helpers.py. The tests run with --import-mode=importlib, where a test module can import
+# neither conftest nor a sibling module by name, so this folder is put on sys.path; the module's
+# name is unique across the packages' test folders, which share one sys.path and sys.modules.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 # Per-dtype relative tolerances of the equivalence tables (issue 2): the error of a tensor is
 # max|ours - torch| / max(max|torch|, tiny), so a tensor near zero is judged on its scale.
@@ -79,10 +91,28 @@ class EquivalenceRun:
         ):
             assert torch.equal(a, b.detach()), f"param {name} differs bitwise"
 
+    def assert_state_equal(self, ours: list[torch.Tensor], key: str) -> None:
+        """Bitwise equality of our per-leaf state tensors (cast to torch's dtype) with torch's."""
+        for name, a, b in zip(self.names, ours, self.torch_state(key)):
+            assert b is not None, f"torch has no state {key!r} for {name}"
+            assert torch.equal(a.to(b.dtype), b), f"state {key} of {name} differs bitwise"
+
+    def assert_state_matches(
+        self, state: Any, keys: Mapping[str, str], *, bitwise: Collection[str] | None = None
+    ) -> None:
+        """For each ``key: field`` of ``keys``, the leaves of ``state.<field>`` against torch's
+        ``state[p][key]``: close to tolerance, and bitwise equal for the keys in ``bitwise``
+        (every key if ``None``)."""
+        for key, field in keys.items():
+            ours = tree_leaves(getattr(state, field))
+            self.assert_state_close(ours, key)
+            if bitwise is None or key in bitwise:
+                self.assert_state_equal(ours, key)
+
 
 def run_equivalence(
     tx: Transformation,
-    torch_cls: type[torch.optim.Optimizer],
+    torch_cls: Callable[..., torch.optim.Optimizer],
     torch_kwargs: dict[str, Any],
     dtype: torch.dtype,
     *,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 import pytest
@@ -11,38 +10,12 @@ import torch
 
 from shardopt.core import adadelta, tree_leaves, warmup_cosine_decay
 
+from _core_helpers import assert_rejected_like_torch, option_id, scheduled, skip_every_third
+
 OPTIONS = [
     {"weight_decay": wd, "maximize": mx} for wd, mx in itertools.product([0.0, 0.1], [False, True])
 ] + [{"rho": 0.5, "eps": 1e-4}]
 STATE_KEYS = {"step": "count", "square_avg": "square_avg", "acc_delta": "acc_delta"}
-
-
-def skip_some(step: int, leaf: int) -> bool:
-    """Each leaf gets no gradient on every third step (a different step for each leaf)."""
-    return (step + leaf) % 3 == 0
-
-
-def assert_state_equal(run: Any, ours: list[torch.Tensor], key: str) -> None:
-    for name, a, b in zip(run.names, ours, run.torch_state(key)):
-        assert torch.equal(a.to(b.dtype), b), f"state {key} of {name} differs bitwise"
-
-
-def scheduled(cls: type[torch.optim.Optimizer], schedule: Any) -> type[torch.optim.Optimizer]:
-    """``cls`` whose ``step`` first sets the lr to ``schedule(number of steps taken)``."""
-
-    class Scheduled(cls):  # type: ignore[misc, valid-type]
-        def step(self, closure: Any = None) -> Any:
-            taken = getattr(self, "taken", 0)
-            for group in self.param_groups:
-                group["lr"] = float(schedule(torch.tensor(float(taken))))
-            self.taken = taken + 1
-            return super().step(closure)
-
-    return Scheduled
-
-
-def option_id(options: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in options.items()) or "defaults"
 
 
 # [Note: bitwise cases of adadelta]
@@ -62,14 +35,11 @@ def test_adadelta_matches_torch_adadelta_for_50_steps_with_skipped_grads(
         torch.optim.Adadelta,
         {"lr": lr, **options},
         dtype,
-        skip=skip_some,
+        skip=skip_every_third,
     )
     run.assert_params_close()
-    for key, field in STATE_KEYS.items():
-        ours = tree_leaves(getattr(run.state[-1], field))
-        run.assert_state_close(ours, key)
-        if options.get("weight_decay", 0.0) == 0 or key == "step":
-            assert_state_equal(run, ours, key)
+    bitwise = None if options.get("weight_decay", 0.0) == 0 else ("step",)
+    run.assert_state_matches(run.state[-1], STATE_KEYS, bitwise=bitwise)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -79,7 +49,7 @@ def test_adadelta_with_default_lr_matches_torch_adadelta_bitwise(
     # lr = 1: the fused step p - 1 * delta has a single rounding either way.
     run = equivalence(adadelta(), torch.optim.Adadelta, {}, dtype)
     run.assert_params_equal()
-    assert_state_equal(run, tree_leaves(run.state[-1].acc_delta), "acc_delta")
+    run.assert_state_equal(tree_leaves(run.state[-1].acc_delta), "acc_delta")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -103,7 +73,4 @@ def test_adadelta_with_a_schedule_matches_torch_with_that_lr_set_before_each_ste
     ],
 )
 def test_adadelta_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        adadelta(**kwargs)
-    with pytest.raises(ValueError):
-        torch.optim.Adadelta([torch.zeros(1)], **kwargs)
+    assert_rejected_like_torch(adadelta, torch.optim.Adadelta, kwargs, message)

@@ -25,45 +25,13 @@ from shardopt.core import (
     tree_map,
 )
 
-# (factory name, learning rate, options): every factory, with a few option variants each. The
-# same table is in test_purity.py.
-FACTORY_CASES: list[tuple[str, float, dict[str, Any]]] = [
-    ("sgd", 0.1, {}),
-    ("sgd", 0.1, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
-    ("sgd", 0.1, {"momentum": 0.9, "dampening": 0.5, "maximize": True}),
-    ("adam", 0.01, {}),
-    ("adam", 0.01, {"amsgrad": True, "weight_decay": 0.01}),
-    ("adamw", 0.01, {}),
-    ("adamw", 0.01, {"amsgrad": True, "maximize": True}),
-    ("adagrad", 0.1, {}),
-    ("adagrad", 0.1, {"lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1}),
-    ("rmsprop", 0.01, {}),
-    ("rmsprop", 0.01, {"centered": True, "momentum": 0.9, "weight_decay": 0.01}),
-    ("adamax", 0.02, {}),
-    ("adamax", 0.02, {"weight_decay": 0.01, "maximize": True}),
-    ("nadam", 0.02, {}),
-    ("nadam", 0.02, {"decoupled_weight_decay": True, "weight_decay": 0.01}),
-    ("radam", 0.01, {}),
-    ("radam", 0.01, {"decoupled_weight_decay": True, "weight_decay": 0.01}),
-    ("adadelta", 1.0, {}),
-    ("adadelta", 1.0, {"rho": 0.95, "weight_decay": 0.01}),
-    ("rprop", 0.01, {}),
-    ("rprop", 0.01, {"etas": (0.4, 1.3), "step_sizes": (1e-4, 1.0)}),
-]
+from _core_helpers import FACTORY_CASES, case_id, decay_label, is_matrix
 
 Builder = Callable[[Any], Transformation]  # learning rate (float or 0-d tensor) -> optimizer
 
 
 def factory_builder(name: str, options: dict[str, Any]) -> Builder:
     return lambda lr: getattr(shardopt.core, name)(lr, **options)
-
-
-def is_matrix(params: Any) -> Any:
-    return tree_map(lambda p: p.dim() >= 2, params)
-
-
-def decay_label(params: Any) -> Any:
-    return tree_map(lambda p: "decay" if p.dim() >= 2 else "no_decay", params)
 
 
 COMBINATOR_CASES: dict[str, tuple[float, Builder]] = {
@@ -87,7 +55,7 @@ COMBINATOR_CASES: dict[str, tuple[float, Builder]] = {
 }
 
 ALL_CASES = [
-    pytest.param(lr, factory_builder(name, options), id="-".join([name, *options]))
+    pytest.param(lr, factory_builder(name, options), id=case_id(name, options))
     for name, lr, options in FACTORY_CASES
 ] + [pytest.param(lr, build, id=name) for name, (lr, build) in COMBINATOR_CASES.items()]
 

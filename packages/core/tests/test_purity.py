@@ -23,47 +23,9 @@ from shardopt.core import (
     partition,
     scale_by_learning_rate,
     tree_leaves,
-    tree_map,
 )
 
-# (factory name, learning rate, options): every factory, with a few option variants each. The
-# same table is in test_func.py.
-FACTORY_CASES: list[tuple[str, float, dict[str, Any]]] = [
-    ("sgd", 0.1, {}),
-    ("sgd", 0.1, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
-    ("sgd", 0.1, {"momentum": 0.9, "dampening": 0.5, "maximize": True}),
-    ("adam", 0.01, {}),
-    ("adam", 0.01, {"amsgrad": True, "weight_decay": 0.01}),
-    ("adamw", 0.01, {}),
-    ("adamw", 0.01, {"amsgrad": True, "maximize": True}),
-    ("adagrad", 0.1, {}),
-    ("adagrad", 0.1, {"lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1}),
-    ("rmsprop", 0.01, {}),
-    ("rmsprop", 0.01, {"centered": True, "momentum": 0.9, "weight_decay": 0.01}),
-    ("adamax", 0.02, {}),
-    ("adamax", 0.02, {"weight_decay": 0.01, "maximize": True}),
-    ("nadam", 0.02, {}),
-    ("nadam", 0.02, {"decoupled_weight_decay": True, "weight_decay": 0.01}),
-    ("radam", 0.01, {}),
-    ("radam", 0.01, {"decoupled_weight_decay": True, "weight_decay": 0.01}),
-    ("adadelta", 1.0, {}),
-    ("adadelta", 1.0, {"rho": 0.95, "weight_decay": 0.01}),
-    ("rprop", 0.01, {}),
-    ("rprop", 0.01, {"etas": (0.4, 1.3), "step_sizes": (1e-4, 1.0)}),
-]
-
-
-def case_id(name: str, options: dict[str, Any]) -> str:
-    return "-".join([name, *options]) if options else name
-
-
-def is_matrix(params: Any) -> Any:
-    return tree_map(lambda p: p.dim() >= 2, params)
-
-
-def decay_label(params: Any) -> Any:
-    return tree_map(lambda p: "decay" if p.dim() >= 2 else "no_decay", params)
-
+from _core_helpers import FACTORY_CASES, case_id, decay_label, is_matrix
 
 COMBINATOR_CASES: dict[str, Callable[[], Transformation]] = {
     "clip": lambda: chain(clip(0.5), scale_by_learning_rate(0.1)),

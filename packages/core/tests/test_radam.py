@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 import pytest
 import torch
 
-from shardopt.core import radam, tree_leaves, warmup_cosine_decay
+from shardopt.core import radam, warmup_cosine_decay
+
+from _core_helpers import assert_rejected_like_torch, option_id, scheduled, skip_every_third
 
 # Weight decay (coupled or decoupled) x maximize; then betas with which rho_t reaches 5 sooner
 # (beta2 = 0.99) or never (beta2 = 0.5: rho_inf = 3, always the unrectified step).
@@ -18,34 +19,6 @@ OPTIONS = [
     for wd, dec, mx in itertools.product([0.0, 0.1], [False, True], [False, True])
 ] + [{"betas": (0.8, 0.99), "eps": 1e-3}, {"betas": (0.9, 0.5)}]
 STATE_KEYS = {"step": "count", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-
-
-def skip_some(step: int, leaf: int) -> bool:
-    """Each leaf gets no gradient on every third step (a different step for each leaf)."""
-    return (step + leaf) % 3 == 0
-
-
-def assert_state_equal(run: Any, ours: list[torch.Tensor], key: str) -> None:
-    for name, a, b in zip(run.names, ours, run.torch_state(key)):
-        assert torch.equal(a.to(b.dtype), b), f"state {key} of {name} differs bitwise"
-
-
-def scheduled(cls: type[torch.optim.Optimizer], schedule: Any) -> type[torch.optim.Optimizer]:
-    """``cls`` whose ``step`` first sets the lr to ``schedule(number of steps taken)``."""
-
-    class Scheduled(cls):  # type: ignore[misc, valid-type]
-        def step(self, closure: Any = None) -> Any:
-            taken = getattr(self, "taken", 0)
-            for group in self.param_groups:
-                group["lr"] = float(schedule(torch.tensor(float(taken))))
-            self.taken = taken + 1
-            return super().step(closure)
-
-    return Scheduled
-
-
-def option_id(options: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in options.items()) or "defaults"
 
 
 # [Note: bitwise cases of radam]
@@ -62,16 +35,13 @@ def test_radam_matches_torch_radam_for_50_steps_with_skipped_grads(
 ) -> None:
     lr = 0.01 if lr_kind == "float" else torch.tensor(0.01, dtype=dtype)
     run = equivalence(
-        radam(lr, **options), torch.optim.RAdam, {"lr": lr, **options}, dtype, skip=skip_some
+        radam(lr, **options), torch.optim.RAdam, {"lr": lr, **options}, dtype, skip=skip_every_third
     )
     run.assert_params_close()
     decoupled = options.get("decoupled_weight_decay", False) and options["weight_decay"] != 0
     if not decoupled:
         run.assert_params_equal()
-    for key, field in STATE_KEYS.items():
-        ours = tree_leaves(getattr(run.state[-1], field))
-        run.assert_state_close(ours, key)
-        assert_state_equal(run, ours, key)
+    run.assert_state_matches(run.state[-1], STATE_KEYS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -104,7 +74,4 @@ def test_radam_with_a_schedule_matches_torch_with_that_lr_set_before_each_step(
     ],
 )
 def test_radam_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        radam(**kwargs)
-    with pytest.raises(ValueError):
-        torch.optim.RAdam([torch.zeros(1)], **kwargs)
+    assert_rejected_like_torch(radam, torch.optim.RAdam, kwargs, message)

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt.core import constant, rprop, tree_leaves
+from shardopt.core import constant, rprop
+
+from _core_helpers import assert_rejected_like_torch, option_id, skip_every_third
 
 # maximize x etas x step_sizes; the tight step sizes make the clamp bind both ways.
 OPTIONS = [
@@ -19,20 +21,6 @@ OPTIONS = [
     )
 ]
 STATE_KEYS = {"step": "count", "prev": "prev", "step_size": "step_size"}
-
-
-def skip_some(step: int, leaf: int) -> bool:
-    """Each leaf gets no gradient on every third step (a different step for each leaf)."""
-    return (step + leaf) % 3 == 0
-
-
-def assert_state_equal(run: Any, ours: list[torch.Tensor], key: str) -> None:
-    for name, a, b in zip(run.names, ours, run.torch_state(key)):
-        assert torch.equal(a.to(b.dtype), b), f"state {key} of {name} differs bitwise"
-
-
-def option_id(options: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in options.items())
 
 
 # [Note: bitwise cases of rprop]
@@ -47,14 +35,11 @@ def test_rprop_matches_torch_rprop_bitwise_for_50_steps_with_skipped_grads(
 ) -> None:
     lr = 0.01 if lr_kind == "float" else torch.tensor(0.01, dtype=dtype)
     run = equivalence(
-        rprop(lr, **options), torch.optim.Rprop, {"lr": lr, **options}, dtype, skip=skip_some
+        rprop(lr, **options), torch.optim.Rprop, {"lr": lr, **options}, dtype, skip=skip_every_third
     )
     run.assert_params_close()
     run.assert_params_equal()
-    for key, field in STATE_KEYS.items():
-        ours = tree_leaves(getattr(run.state[-2], field))
-        run.assert_state_close(ours, key)
-        assert_state_equal(run, ours, key)
+    run.assert_state_matches(run.state[-2], STATE_KEYS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -86,10 +71,7 @@ def test_rprop_step_size_starts_at_lr_and_is_differentiable_in_a_tensor_lr() -> 
     ],
 )
 def test_rprop_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        rprop(**kwargs)
-    with pytest.raises(ValueError):
-        torch.optim.Rprop([torch.zeros(1)], **kwargs)
+    assert_rejected_like_torch(rprop, torch.optim.Rprop, kwargs, message)
 
 
 def test_rprop_rejects_a_schedule_since_lr_is_only_the_initial_step_size() -> None:

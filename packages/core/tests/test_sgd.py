@@ -12,16 +12,15 @@ from shardopt.core import sgd, warmup_cosine_decay
 from shardopt.core._fused import split_state
 from shardopt.core._tree import tree_leaves
 
+from _core_helpers import (
+    assert_rejected_like_torch,
+    assert_torch_signature,
+    lambda_lr_scheduled,
+    learning_rate_and_skip,
+    option_id,
+)
+
 DTYPES = [torch.float64, torch.float32]
-
-
-def no_skip(step: int, leaf: int) -> bool:
-    return False
-
-
-def skip_every_third(step: int, leaf: int) -> bool:
-    """Each leaf has a None gradient every third step, the leaves out of phase."""
-    return (step + leaf) % 3 == 0
 
 
 # Every combination torch accepts (nesterov needs momentum > 0 and dampening == 0).
@@ -34,31 +33,9 @@ OPTIONS = [
 ]
 
 
-def options_id(options: dict[str, Any]) -> str:
-    return "-".join(f"{k}={v}" for k, v in options.items())
-
-
-def scheduled(torch_cls: type[torch.optim.Optimizer], schedule: Any) -> Any:
-    """``torch_cls`` with ``lr=1`` and a LambdaLR setting the lr to ``schedule(step)`` each step."""
-
-    class Scheduled(torch_cls):  # type: ignore[misc, valid-type]
-        def __init__(self, params: Any, **kwargs: Any) -> None:
-            super().__init__(params, lr=1.0, **kwargs)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self, lambda step: float(schedule(torch.tensor(float(step))))
-            )
-
-        def step(self, closure: Any = None) -> Any:
-            loss = super().step(closure)
-            self.scheduler.step()
-            return loss
-
-    return Scheduled
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lr_kind", ["float_lr", "tensor_lr_and_skips"])
-@pytest.mark.parametrize("options", OPTIONS, ids=options_id)
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
 def test_sgd_matches_torch_sgd_for_50_steps(
     equivalence: Any, options: dict[str, Any], lr_kind: str, dtype: torch.dtype
 ) -> None:
@@ -68,8 +45,7 @@ def test_sgd_matches_torch_sgd_for_50_steps(
     bitwise equal without weight decay, where it does not depend on the parameters; parameters are
     torch's to the last bit nearly always (see [Note: torch's step as a delta]), not always.
     """
-    lr: Any = 0.05 if lr_kind == "float_lr" else torch.tensor(0.05)
-    skip = no_skip if lr_kind == "float_lr" else skip_every_third
+    lr, skip = learning_rate_and_skip(lr_kind, 0.05)
     run = equivalence(sgd(lr, **options), torch.optim.SGD, {"lr": lr, **options}, dtype, skip=skip)
     run.assert_params_close()
     if options["momentum"] == 0:
@@ -84,14 +60,14 @@ def test_sgd_matches_torch_sgd_for_50_steps(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "options", [{}, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}], ids=options_id
+    "options", [{}, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}], ids=option_id
 )
 def test_sgd_with_a_schedule_matches_torch_sgd_with_lambda_lr(
     equivalence: Any, options: dict[str, Any], dtype: torch.dtype
 ) -> None:
     schedule = warmup_cosine_decay(0.1, 5, 50)
     run = equivalence(
-        sgd(schedule, **options), scheduled(torch.optim.SGD, schedule), options, dtype
+        sgd(schedule, **options), lambda_lr_scheduled(torch.optim.SGD, schedule), options, dtype
     )
     run.assert_params_close()
 
@@ -106,18 +82,12 @@ def test_sgd_with_a_tensor_weight_decay_matches_torch_sgd(
 
 
 def test_sgd_has_torch_defaults() -> None:
-    import inspect
-
-    ours = inspect.signature(sgd).parameters
-    theirs = inspect.signature(torch.optim.SGD).parameters
-    for name, param in ours.items():
-        assert param.default == theirs[name].default, name
-        assert param.kind == theirs[name].kind, name
+    assert_torch_signature(sgd, torch.optim.SGD)
 
 
 INVALID = [
     ({"lr": -0.1}, "sgd: expected 0 <= lr, got -0.1"),
-    ({"lr": torch.tensor([0.1, 0.2])}, r"sgd: expected lr with 1 element, got shape \(2,\)"),
+    ({"lr": torch.tensor([0.1, 0.2])}, "sgd: expected lr with 1 element, got shape (2,)"),
     ({"momentum": -0.5}, "sgd: expected 0 <= momentum, got -0.5"),
     ({"weight_decay": -1.0}, "sgd: expected 0 <= weight_decay, got -1.0"),
     (
@@ -134,7 +104,4 @@ INVALID = [
 
 @pytest.mark.parametrize(("kwargs", "message"), INVALID, ids=[m for _, m in INVALID])
 def test_sgd_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        sgd(**kwargs)
-    with pytest.raises(ValueError):
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], **kwargs)
+    assert_rejected_like_torch(sgd, torch.optim.SGD, kwargs, message)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -47,14 +48,16 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
-def identity() -> Transformation:
-    """A transformation that passes updates through unchanged.
+def stateless(apply: Callable[[PyTree, PyTree | None], PyTree]) -> Transformation:
+    """A transformation without state whose ``update`` returns ``apply(updates, params)``.
+
+    The shared body of the stateless transformations (identity, scale, clipping, weight decay).
 
     Example:
         >>> import torch
-        >>> tx = identity()
-        >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
-        [tensor([1.])]
+        >>> tx = stateless(lambda updates, params: [2 * u for u in updates])
+        >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))
+        ([tensor([2.])], EmptyState())
     """
 
     def init(params: PyTree) -> EmptyState:
@@ -64,10 +67,21 @@ def identity() -> Transformation:
     def update(
         updates: PyTree, state: EmptyState, params: PyTree | None = None
     ) -> tuple[PyTree, EmptyState]:
-        del params
-        return updates, state
+        return apply(updates, params), state
 
     return Transformation(init, update)
+
+
+def identity() -> Transformation:
+    """A transformation that passes updates through unchanged.
+
+    Example:
+        >>> import torch
+        >>> tx = identity()
+        >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
+        [tensor([1.])]
+    """
+    return stateless(lambda updates, params: updates)
 
 
 def chain(*transformations: Transformation) -> Transformation:

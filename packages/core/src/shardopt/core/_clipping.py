@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardopt.core._base import EmptyState, Transformation
+from shardopt.core._base import Transformation, stateless
 from shardopt.core._tree import PyTree, leafwise, tree_leaves
 
 __all__ = ["clip", "clip_by_global_norm", "global_norm"]
@@ -42,25 +42,18 @@ def clip(max_delta: float | torch.Tensor) -> Transformation:
     """
     _check_nonnegative("clip", "max_delta", max_delta)
 
-    def init(params: PyTree) -> EmptyState:
+    def rule(g: torch.Tensor, p: None) -> tuple[torch.Tensor]:
+        if isinstance(max_delta, torch.Tensor):
+            bound = max_delta.to(g.device, g.dtype)
+            return (torch.clamp(g, -bound, bound),)
+        return (g.clamp(-max_delta, max_delta),)
+
+    def apply(updates: PyTree, params: PyTree | None) -> PyTree:
         del params
-        return EmptyState()
-
-    def update(
-        updates: PyTree, state: EmptyState, params: PyTree | None = None
-    ) -> tuple[PyTree, EmptyState]:
-        del params
-
-        def rule(g: torch.Tensor, p: None) -> tuple[torch.Tensor]:
-            if isinstance(max_delta, torch.Tensor):
-                bound = max_delta.to(g.device, g.dtype)
-                return (torch.clamp(g, -bound, bound),)
-            return (g.clamp(-max_delta, max_delta),)
-
         new, _ = leafwise(rule, updates, None)
-        return new, state
+        return new
 
-    return Transformation(init, update)
+    return stateless(apply)
 
 
 def global_norm(updates: PyTree) -> torch.Tensor | None:
@@ -96,19 +89,13 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> Transformation:
     """
     _check_nonnegative("clip_by_global_norm", "max_norm", max_norm)
 
-    def init(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: PyTree, state: EmptyState, params: PyTree | None = None
-    ) -> tuple[PyTree, EmptyState]:
+    def apply(updates: PyTree, params: PyTree | None) -> PyTree:
         del params
         total = global_norm(updates)
         if total is None:  # no gradient at all: nothing to scale
-            return updates, state
+            return updates
         coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
         new, _ = leafwise(lambda g, p: (g * coef.to(g.device, g.dtype),), updates, None)
-        return new, state
+        return new
 
-    return Transformation(init, update)
+    return stateless(apply)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -135,6 +135,41 @@ def _prologue_grads(gs: Tensors, ps: Tensors, hp: Any) -> Tensors:
     return gs
 
 
+class _Active(NamedTuple):
+    """What a flat rule steps: the tensors that have a gradient and their per-tensor scalars."""
+
+    positions: list[int]  # in the rule's lists
+    params: Tensors
+    grads: Tensors  # as _prologue_grads returns them (the caller's tensors are never written)
+    steps: list[float]  # the advanced step numbers
+    lrs: list[float]
+
+
+def _begin(params: Tensors, grads: list[torch.Tensor | None], st: Any, hp: Any) -> _Active | None:
+    """The common start of a flat rule: ``None`` if no tensor has a gradient; else advances their
+    counts in ``st`` and returns them with their learning rates and prologue gradients."""
+    index, ps, gs = _active(params, grads)
+    if not index:
+        return None
+    steps, lrs = _steps_and_lrs(_pick(st.count, index), hp.lr)
+    return _Active(index, ps, _prologue_grads(gs, ps, hp), steps, lrs)
+
+
+def _average_square_(avgs: Tensors, xs: Tensors, decay: float) -> None:
+    """``avg = decay * avg + (1 - decay) * x * x`` in place, with torch's two kernels."""
+    torch._foreach_mul_(avgs, decay)
+    torch._foreach_addcmul_(avgs, xs, xs, value=1 - decay)
+
+
+def _adam_moments_(st: Any, act: _Active, betas: tuple[float, float]) -> tuple[Tensors, Tensors]:
+    """Updates and returns the ``exp_avg`` and ``exp_avg_sq`` of the active tensors."""
+    index, gs = act.positions, act.grads
+    exp_avgs, exp_avg_sqs = _pick(st.exp_avg, index), _pick(st.exp_avg_sq, index)
+    torch._foreach_lerp_(exp_avgs, gs, 1 - betas[0])
+    _average_square_(exp_avg_sqs, gs, betas[1])
+    return exp_avgs, exp_avg_sqs
+
+
 def _add_scaled_(ps: Tensors, xs: Tensors, scalars: list[float]) -> None:
     """``p += s * x`` per tensor: torch's fused ``alpha`` kernel when all ``s`` are equal (always
     but for a schedule at unequal counts, where the product is rounded first)."""
@@ -154,14 +189,11 @@ def rmsprop_(
 ) -> None:
     """The flat rule of ``rmsprop``: ``state[at]`` is its transformation's state."""
     rms = state[at]
-    index, ps, gs = _active(params, grads)
-    if not index:
+    if (act := _begin(params, grads, rms, hp)) is None:
         return
-    _, lrs = _steps_and_lrs(_pick(rms.count, index), hp.lr)
-    gs = _prologue_grads(gs, ps, hp)
+    index, ps, gs, _, lrs = act
     square_avgs = _pick(rms.square_avg, index)
-    torch._foreach_mul_(square_avgs, hp.alpha)
-    torch._foreach_addcmul_(square_avgs, gs, gs, value=1 - hp.alpha)
+    _average_square_(square_avgs, gs, hp.alpha)
     if hp.centered:
         grad_avgs = _pick(rms.grad_avg, index)
         torch._foreach_lerp_(grad_avgs, gs, 1 - hp.alpha)
@@ -185,11 +217,9 @@ def adamax_(
 ) -> None:
     """The flat rule of ``adamax``: ``state[at]`` is its transformation's state."""
     st = state[at]
-    index, ps, gs = _active(params, grads)
-    if not index:
+    if (act := _begin(params, grads, st, hp)) is None:
         return
-    steps, lrs = _steps_and_lrs(_pick(st.count, index), hp.lr)
-    gs = _prologue_grads(gs, ps, hp)
+    index, ps, gs, steps, lrs = act
     beta1, beta2 = hp.betas
     exp_avgs, exp_infs = _pick(st.exp_avg, index), _pick(st.exp_inf, index)
     torch._foreach_lerp_(exp_avgs, gs, 1 - beta1)
@@ -206,17 +236,12 @@ def nadam_(
 ) -> None:
     """The flat rule of ``nadam``: ``state[at]`` is its transformation's state."""
     st = state[at]
-    index, ps, gs = _active(params, grads)
-    if not index:
+    if (act := _begin(params, grads, st, hp)) is None:
         return
-    steps, lrs = _steps_and_lrs(_pick(st.count, index), hp.lr)
-    gs = _prologue_grads(gs, ps, hp)
+    index, ps, gs, steps, lrs = act
     _decay_decoupled_(ps, lrs, hp)
     beta1, beta2 = hp.betas
-    exp_avgs, exp_avg_sqs = _pick(st.exp_avg, index), _pick(st.exp_avg_sq, index)
-    torch._foreach_lerp_(exp_avgs, gs, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, gs, gs, 1 - beta2)
+    exp_avgs, exp_avg_sqs = _adam_moments_(st, act, hp.betas)
     denom = list(torch._foreach_sqrt(exp_avg_sqs))
     decay = hp.momentum_decay
     mus = [beta1 * (1.0 - 0.5 * (0.96 ** (s * decay))) for s in steps]
@@ -255,17 +280,12 @@ def radam_(
 ) -> None:
     """The flat rule of ``radam``: ``state[at]`` is its transformation's state."""
     st = state[at]
-    index, ps, gs = _active(params, grads)
-    if not index:
+    if (act := _begin(params, grads, st, hp)) is None:
         return
-    steps, lrs = _steps_and_lrs(_pick(st.count, index), hp.lr)
-    gs = _prologue_grads(gs, ps, hp)
+    _, ps, _, steps, lrs = act
     _decay_decoupled_(ps, lrs, hp)
     beta1, beta2 = hp.betas
-    exp_avgs, exp_avg_sqs = _pick(st.exp_avg, index), _pick(st.exp_avg_sq, index)
-    torch._foreach_lerp_(exp_avgs, gs, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, gs, gs, 1 - beta2)
+    exp_avgs, exp_avg_sqs = _adam_moments_(st, act, hp.betas)
     adaptive, plain = _radam_sizes(steps, lrs, beta1, beta2)
     # Rectified: factor = adaptive / (sqrt(v) + eps); else 1 / (.. / 0) = 0 and plain applies.
     factors = list(torch._foreach_sqrt(exp_avg_sqs))
@@ -281,22 +301,18 @@ def adadelta_(
 ) -> None:
     """The flat rule of ``adadelta``: ``state[at]`` is its transformation's state."""
     st = state[at]
-    index, ps, gs = _active(params, grads)
-    if not index:
+    if (act := _begin(params, grads, st, hp)) is None:
         return
-    _, lrs = _steps_and_lrs(_pick(st.count, index), hp.lr)
-    gs = _prologue_grads(gs, ps, hp)
+    index, ps, gs, _, lrs = act
     square_avgs, acc_deltas = _pick(st.square_avg, index), _pick(st.acc_delta, index)
-    torch._foreach_mul_(square_avgs, hp.rho)
-    torch._foreach_addcmul_(square_avgs, gs, gs, value=1 - hp.rho)
+    _average_square_(square_avgs, gs, hp.rho)
     std = list(torch._foreach_add(square_avgs, hp.eps))
     torch._foreach_sqrt_(std)
     deltas = list(torch._foreach_add(acc_deltas, hp.eps))
     torch._foreach_sqrt_(deltas)
     torch._foreach_div_(deltas, std)
     torch._foreach_mul_(deltas, gs)
-    torch._foreach_mul_(acc_deltas, hp.rho)
-    torch._foreach_addcmul_(acc_deltas, deltas, deltas, value=1 - hp.rho)
+    _average_square_(acc_deltas, deltas, hp.rho)
     _add_scaled_(ps, deltas, [-lr for lr in lrs])
 
 

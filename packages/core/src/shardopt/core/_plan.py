@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardopt.core._plan_input import collect_specs
+from shardopt.core._plan_io import plan_fields, plan_to_dict
 from shardopt.core._plan_layout import assign_greedy, layout_flat, layout_greedy
 from shardopt.core._plan_spec import (
     FlatGroup,
@@ -26,7 +27,6 @@ from shardopt.core._plan_spec import (
 
 __all__ = ["FlatGroup", "Piece", "Plan", "Strategy", "SyncCost", "TensorSpec", "plan_partition"]
 
-_FORMAT_VERSION = 1
 _STRATEGIES = tuple(s.value for s in Strategy)
 
 # [Note: default alignment]
@@ -249,33 +249,7 @@ class Plan:
             >>> Plan.from_dict(plan.to_dict()) == plan
             True
         """
-        return {
-            "version": _FORMAT_VERSION,
-            "strategy": self.strategy.value,
-            "world_size": self.world_size,
-            "align": self.align,
-            "tensors": [
-                {
-                    "shape": list(t.shape),
-                    "dtype": t.dtype,
-                    "device": t.device,
-                    "param_group": t.param_group,
-                }
-                for t in self.tensors
-            ],
-            "groups": [
-                {
-                    "dtype": g.dtype,
-                    "device": g.device,
-                    "tensors": list(g.tensors),
-                    "offsets": list(g.offsets),
-                    "shard_numel": g.shard_numel,
-                    "world_size": g.world_size,
-                }
-                for g in self.groups
-            ],
-            "owners": None if self.owners is None else list(self.owners),
-        }
+        return plan_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -286,7 +260,7 @@ class Plan:
             >>> Plan.from_dict(data).groups[0].shard_numel
             16
         """
-        return _plan_from_dict(data)
+        return cls(**plan_fields(data))
 
     def to_json(self) -> str:
         """:meth:`to_dict` as compact JSON with sorted keys (the same plan gives the same text).
@@ -306,7 +280,7 @@ class Plan:
             >>> Plan.from_json(plan.to_json()).owners
             (0,)
         """
-        return _plan_from_dict(json.loads(text))
+        return cls(**plan_fields(json.loads(text)))
 
     def fingerprint(self) -> int:
         """A 63-bit hash of :meth:`to_json`, equal in every process (for cross-rank checks).
@@ -318,43 +292,6 @@ class Plan:
         """
         digest = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") >> 1
-
-
-_KEYS = {"version", "strategy", "world_size", "align", "tensors", "groups", "owners"}
-
-
-def _plan_from_dict(data: Any) -> Plan:
-    api = "Plan.from_dict"
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{api}: expected a mapping, got {short(data)}")
-    if set(data) != _KEYS:
-        raise ValueError(
-            f"{api}: expected keys {sorted(_KEYS)}, missing {sorted(_KEYS - set(data))}, "
-            f"unexpected {sorted(set(data) - _KEYS)}"
-        )
-    if data["version"] != _FORMAT_VERSION:
-        raise ValueError(f"{api}: expected version {_FORMAT_VERSION}, got {data['version']!r}")
-    owners = data["owners"]
-    return Plan(
-        strategy=data["strategy"],
-        world_size=data["world_size"],
-        align=data["align"],
-        tensors=tuple(_records(api, "tensors", data["tensors"], TensorSpec)),
-        groups=tuple(_records(api, "groups", data["groups"], FlatGroup)),
-        owners=tuple(owners) if isinstance(owners, list) else owners,
-    )
-
-
-def _records(api: str, name: str, items: Any, kind: type) -> Iterable[Any]:
-    if not isinstance(items, (list, tuple)):
-        raise TypeError(f"{api}: expected {name} to be a list, got {short(items)}")
-    for i, item in enumerate(items):
-        if not isinstance(item, Mapping):
-            raise TypeError(f"{api}: expected {name}[{i}] to be a mapping, got {short(item)}")
-        try:
-            yield kind(**item)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{api}: {name}[{i}]: {exc}") from None
 
 
 def plan_partition(

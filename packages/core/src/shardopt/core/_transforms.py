@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt.core._base import EmptyState, Transformation, init_count
+from shardopt.core._base import EmptyState, Transformation, init_count, stateless
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise
 
@@ -34,18 +34,12 @@ def scale(factor: float | torch.Tensor) -> Transformation:
         [tensor([-2.])]
     """
 
-    def init(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: PyTree, state: EmptyState, params: PyTree | None = None
-    ) -> tuple[PyTree, EmptyState]:
+    def apply(updates: PyTree, params: PyTree | None) -> PyTree:
         del params
         new, _ = leafwise(lambda g, p: (g * factor,), updates, None)
-        return new, state
+        return new
 
-    return Transformation(init, update)
+    return stateless(apply)
 
 
 def scale_by_learning_rate(
@@ -93,21 +87,15 @@ def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0) -> Transformat
         [tensor([2.])]
     """
 
-    def init(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(
-        updates: PyTree, state: EmptyState, params: PyTree | None = None
-    ) -> tuple[PyTree, EmptyState]:
+    def apply(updates: PyTree, params: PyTree | None) -> PyTree:
         if params is None:
             raise ValueError("add_decayed_weights: expected params, got None")
         new, _ = leafwise(rule, updates, params)
-        return new, state
+        return new
 
     def rule(g: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor]:
         if isinstance(weight_decay, torch.Tensor):  # differentiable: no alpha= scalar
             return (torch.addcmul(g, p, weight_decay.to(p.dtype)),)
         return (g.add(p, alpha=weight_decay),)
 
-    return Transformation(init, update)
+    return stateless(apply)
