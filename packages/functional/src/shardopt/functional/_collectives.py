@@ -1,0 +1,291 @@
+"""Stateless collectives on flat buffers: parameter all-gathers and gradient reduce-scatters."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Algorithm",
+    "Pending",
+    "PendingQueue",
+    "all_gather_into",
+    "all_gather_params",
+    "all_gather_rows",
+    "all_reduce_sum",
+    "comm_device",
+    "reduce_scatter_grads",
+    "reduce_scatter_into",
+    "resolve_algorithm",
+]
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+
+# [Note: collective names]
+# torch 2.13 names the single-tensor collectives ``all_gather_single`` and
+# ``reduce_scatter_single``; older versions call them ``all_gather_into_tensor`` and
+# ``reduce_scatter_tensor`` (same arguments). The functions are looked up at every call, not bound
+# at import, so a test that records calls by patching ``torch.distributed`` sees every one.
+
+
+def _all_gather_fn() -> Callable[..., Any]:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn() -> Callable[..., Any]:
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# [Note: collective algorithms]
+# A parameter sync moves, per rank, (W-1)/W of the parameter bytes in, and a gradient reduction
+# (W-1)/W of the gradient bytes out, whichever calls do it:
+# - COLLECTIVE: one ``all_gather_single`` / ``reduce_scatter_single`` per chunk: the natural
+#   calls, and the fast ones under NCCL.
+# - ROOTED: one ``broadcast`` (from rank r of its block) / ``reduce`` (to rank r of block r) per
+#   rank and chunk. Each targets a contiguous block, so a bucketed gather is in place too. Under
+#   gloo (torch 2.13, CPU) this is 2-4x faster: its all-gather and reduce-scatter are far slower
+#   than its broadcast and reduce for the same bytes (measured on 50 MB at W = 2 and 4).
+# AUTO picks ROOTED for CPU tensors under a gloo group and COLLECTIVE otherwise. Every rank of a
+# world resolves it alike (same backend, same device types), so the calls always match.
+
+
+class Algorithm(str, enum.Enum):
+    """Which calls carry a parameter sync or gradient reduction ([Note: collective algorithms])."""
+
+    AUTO = "auto"
+    COLLECTIVE = "collective"
+    ROOTED = "rooted"
+
+
+def resolve_algorithm(
+    algorithm: Algorithm | str, group: ProcessGroup, device: torch.device
+) -> Algorithm:
+    """AUTO made concrete for tensors on ``device`` in ``group``; other values pass through."""
+    chosen = Algorithm(algorithm)
+    if chosen is not Algorithm.AUTO:
+        return chosen
+    gloo = "gloo" in str(dist.get_backend(group)).lower()
+    return Algorithm.ROOTED if gloo and device.type == "cpu" else Algorithm.COLLECTIVE
+
+
+def comm_device(group: ProcessGroup) -> torch.device:
+    """The device of small control tensors for ``group``: CUDA under NCCL alone, else the CPU."""
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Pending:
+    """Collectives in flight and the local work that completes them (``None`` works: done)."""
+
+    __slots__ = ("_finish", "_works")
+
+    def __init__(self, works: Any, finish: Callable[[], None] | None = None) -> None:
+        self._works = list(works) if isinstance(works, (list, tuple)) else [works]
+        self._finish = finish
+
+    def wait(self) -> None:
+        """Waits for the collectives, then runs their completion (once)."""
+        while self._works:
+            work = self._works.pop(0)
+            if work is not None:
+                work.wait()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+class PendingQueue:
+    """Collectives in flight, completed in launch order, each tagged with the buffer it uses."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[Hashable, Pending]] = deque()
+
+    def push(self, tag: Hashable, pending: Pending) -> None:
+        """Adds a collective using buffer ``tag``."""
+        self._items.append((tag, pending))
+
+    def release(self, tag: Hashable) -> None:
+        """Completes collectives in launch order until none uses buffer ``tag``."""
+        while any(t == tag for t, _ in self._items):
+            self._items.popleft()[1].wait()
+
+    def wait_all(self) -> None:
+        """Completes every collective in flight, in launch order."""
+        while self._items:
+            self._items.popleft()[1].wait()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def all_gather_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: ProcessGroup = None,
+    async_op: bool = False,
+) -> Any:
+    """``output = cat(input of every rank)``; ``input`` may be this rank's slice of ``output``."""
+    return _all_gather_fn()(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: ProcessGroup = None,
+    async_op: bool = False,
+) -> Any:
+    """``output = sum over ranks of block rank of input``; ``output`` may be that very block."""
+    fn = _reduce_scatter_fn()
+    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, *, group: ProcessGroup = None) -> torch.Tensor:
+    """Sums ``tensor`` over ranks in place (synchronously) and returns it."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_gather_rows(row: torch.Tensor, *, group: ProcessGroup = None) -> torch.Tensor:
+    """The 1-D ``row`` of every rank, stacked: a ``(world_size, len(row))`` tensor."""
+    world = dist.get_world_size(group)
+    out = row.new_empty((world, row.numel()))
+    all_gather_into(out.view(-1), row.contiguous(), group=group)
+    return out
+
+
+def all_gather_params(
+    buffer: torch.Tensor,
+    shard_numel: int,
+    *,
+    bucket: tuple[int, int] | None = None,
+    staging: torch.Tensor | None = None,
+    group: ProcessGroup = None,
+    async_op: bool = False,
+    algorithm: Algorithm | str = Algorithm.AUTO,
+) -> Pending:
+    """Gathers every rank's slice of a flat ``buffer`` (``world_size * shard_numel`` long).
+
+    Rank ``r`` contributes ``buffer[r * shard_numel:(r + 1) * shard_numel]``. With
+    ``bucket=None`` the whole buffer is gathered in place (the input is a slice of the output: no
+    copy at all). With ``bucket=(start, stop)`` only elements ``[start, stop)`` of every slice
+    are gathered: in place by broadcasts with the ROOTED algorithm, else through ``staging`` (at
+    least ``world_size * (stop - start)`` elements), copied into place when the returned
+    :class:`Pending` is waited on. See [Note: collective algorithms].
+
+    Example:
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+        >>> buf = torch.arange(4.0)
+        >>> all_gather_params(buf, 4, bucket=(1, 3), staging=torch.empty(2)).wait()
+        >>> buf
+        tensor([0., 1., 2., 3.])
+        >>> dist.destroy_process_group()
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if buffer.numel() != world * shard_numel:
+        raise ValueError(
+            f"all_gather_params: expected a buffer of {world} * {shard_numel} elements, "
+            f"got {buffer.numel()}"
+        )
+    start, stop = (0, shard_numel) if bucket is None else bucket
+    mine = buffer[rank * shard_numel + start : rank * shard_numel + stop]
+    if world == 1:
+        return Pending(None)
+    if resolve_algorithm(algorithm, group, buffer.device) is Algorithm.ROOTED:
+        blocks = buffer.view(world, shard_numel)[:, start:stop]
+        works = [
+            dist.broadcast(blocks[r], group_src=r, group=group, async_op=async_op)
+            for r in range(world)
+        ]
+        return Pending(works)
+    if (start, stop) == (0, shard_numel):
+        return Pending(all_gather_into(buffer, mine, group=group, async_op=async_op))
+    if staging is None or staging.numel() < world * (stop - start):
+        raise ValueError(
+            f"all_gather_params: expected staging of at least {world * (stop - start)} elements "
+            f"for bucket {bucket}, got {None if staging is None else staging.numel()}"
+        )
+    out = staging[: world * (stop - start)]
+    work = all_gather_into(out, mine, group=group, async_op=async_op)
+
+    def finish() -> None:
+        buffer.view(world, shard_numel)[:, start:stop].copy_(out.view(world, stop - start))
+
+    pending = Pending(work, finish)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def reduce_scatter_grads(
+    staging: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    accumulate: bool = False,
+    group: ProcessGroup = None,
+    async_op: bool = False,
+    algorithm: Algorithm | str = Algorithm.AUTO,
+) -> Pending:
+    """Averages packed gradients over ranks into this rank's ``output``.
+
+    ``staging`` holds ``world_size`` equal blocks, block ``r`` destined to rank ``r``; it is
+    reduced in place (this rank's block receives the sum, other blocks become scratch), then the
+    completion divides by the world size and copies (or, with ``accumulate``, adds) into
+    ``output``. Summing first and dividing after keeps the result independent of how ranks split
+    the sum when the gradients add exactly, and equal to ``sum(grads) / world_size`` computed on
+    one process. See [Note: collective algorithms] for ``algorithm``.
+
+    Example:
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+        >>> out = torch.ones(2)
+        >>> reduce_scatter_grads(torch.tensor([1.0, 2.0]), out, accumulate=True).wait()
+        >>> out
+        tensor([2., 3.])
+        >>> dist.destroy_process_group()
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = output.numel()
+    if staging.numel() != world * n:
+        raise ValueError(
+            f"reduce_scatter_grads: expected staging of {world} * {n} elements, "
+            f"got {staging.numel()}"
+        )
+    mine = staging[rank * n : (rank + 1) * n]
+    if world == 1:
+        work: Any = None
+    elif resolve_algorithm(algorithm, group, staging.device) is Algorithm.ROOTED:
+        blocks = staging.view(world, n)
+        work = [
+            dist.reduce(
+                blocks[r], group_dst=r, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+            )
+            for r in range(world)
+        ]
+    else:
+        work = reduce_scatter_into(mine, staging, group=group, async_op=async_op)
+
+    def finish() -> None:
+        if world > 1:
+            mine.div_(world)
+        if accumulate:
+            output.add_(mine)
+        else:
+            output.copy_(mine)
+
+    pending = Pending(work, finish)
+    if not async_op:
+        pending.wait()
+    return pending

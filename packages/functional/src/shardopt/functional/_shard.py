@@ -1,0 +1,296 @@
+"""shard(): a core transformation partitioned by a plan and stepped on this rank's slice only."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from shardopt.core import Plan, PyTree, Transformation, tree_leaves
+from shardopt.functional._clip import Health, clip_coefficient, global_health, scale_grads
+from shardopt.functional._collectives import Algorithm, ProcessGroup, resolve_algorithm
+from shardopt.functional._hooks import GradReducer
+from shardopt.functional._layout import FlatLayout, build_layout
+from shardopt.functional._state import (
+    ShardedState,
+    StepStats,
+    flatten_state,
+    probe_fields,
+)
+from shardopt.functional._update import gather_params, update_and_gather
+from shardopt.functional._validate import (
+    agree_across_ranks,
+    check_grads,
+    check_params,
+    fingerprint,
+)
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "ShardOptions", "ShardedTransformation", "Stage", "shard"]
+
+# Elements per rank and collective: 16 MiB of float32. Smaller groups are gathered in place.
+DEFAULT_BUCKET_NUMEL = 1 << 22
+
+
+class Stage(enum.IntEnum):
+    """What is sharded: the optimizer state (ZeRO-1), or the gradients as well (ZeRO-2)."""
+
+    OPTIMIZER_STATE = 1
+    GRADIENTS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOptions:
+    """The validated options of :func:`shard` (see its docstring)."""
+
+    stage: Stage | int = Stage.OPTIMIZER_STATE
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    master_dtype: torch.dtype | None = None
+    max_norm: float | None = None
+    skip_nonfinite: bool = False
+    algorithm: Algorithm | str = Algorithm.AUTO
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(f"shard: expected stage 1 or 2, got {self.stage!r}")
+        object.__setattr__(self, "stage", Stage(self.stage))
+        n = self.bucket_numel
+        if n is not None and (type(n) is not int or n < 1):
+            raise ValueError(f"shard: expected bucket_numel None or an int >= 1, got {n!r}")
+        m = self.master_dtype
+        if m is not None and (not isinstance(m, torch.dtype) or not m.is_floating_point):
+            raise ValueError(f"shard: expected master_dtype None or a float dtype, got {m!r}")
+        c = self.max_norm
+        if c is not None and not (isinstance(c, (int, float)) and c > 0):
+            raise ValueError(f"shard: expected max_norm None or > 0, got {c!r}")
+        names = tuple(a.value for a in Algorithm)
+        if self.algorithm not in names:
+            raise ValueError(f"shard: expected algorithm in {names}, got {self.algorithm!r}")
+        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+
+    @property
+    def needs_health(self) -> bool:
+        """Whether each step has its small all-reduce (see [Note: one small all-reduce])."""
+        return self.max_norm is not None or self.skip_nonfinite
+
+    def master_for(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The master dtype of a group of ``dtype``: ``master_dtype`` if more precise, else None."""
+        m = self.master_dtype
+        if m is None or not dtype.is_floating_point or m.itemsize <= dtype.itemsize:
+            return None
+        return m
+
+
+class ShardedTransformation(NamedTuple):
+    """``state = init(params)``; ``state = step(params, grads, state)`` (see :func:`shard`)."""
+
+    init: Callable[[PyTree], ShardedState]
+    step: Callable[[PyTree, PyTree | None, ShardedState], ShardedState]
+
+
+def shard(
+    tx: Transformation,
+    plan: Plan,
+    *,
+    group: ProcessGroup = None,
+    stage: int = 1,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+    master_dtype: torch.dtype | None = None,
+    max_norm: float | None = None,
+    skip_nonfinite: bool = False,
+    algorithm: str = "auto",
+) -> ShardedTransformation:
+    """Partitions ``tx`` over the ranks of ``group`` as ``plan`` says (ZeRO stage 1 or 2).
+
+    ``init(params)`` (``params``: the plan's tensors, in its order, as any pytree) checks the
+    input on every rank (see [Note: cross-rank validation]), moves the parameters into flat
+    buffers (see [Note: flat storage]), all-gathers them so that every rank starts from the
+    owners' values, and returns this rank's state (see [Note: sharded state layout]).
+
+    ``step(params, grads, state)`` updates the parameters in place and returns the new state
+    (which shares its tensors with ``state``: the optimizer state is updated in place too):
+
+    - stage 1: ``grads`` are the full gradients, already averaged over ranks (DDP, or the caller);
+      ``None`` takes each parameter's ``.grad``. The rank updates its slice, then the slices are
+      all-gathered (see [Note: update and gather pipeline]).
+    - stage 2: ``grads`` are the full *local* gradients (or ``None``: each ``.grad``); they are
+      averaged by reduce-scatter into this rank's gradient shard, then the rank updates its slice
+      and the slices are all-gathered. With :func:`register_grad_hooks`, the reduction happens
+      during backward and ``grads`` must be ``None``.
+
+    A ``None`` gradient skips its parameter (no state change), as in torch.optim. Gradient
+    accumulation is described in [Note: gradient accumulation].
+
+    Args:
+        tx: a core transformation (its flat fast path is used where it has one).
+        plan: from ``plan_partition(params, world_size)``, the same on every rank.
+        group: the process group (None: the default group).
+        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        bucket_numel: elements per rank of one collective; a group's slice above it is split into
+            chunks that go through staging buffers, and pipelined with the update. None: one
+            collective per group.
+        master_dtype: e.g. ``torch.float32``: keep master weights and optimizer state of the
+            lower-precision groups (bfloat16, float16) in this dtype; parameters are gathered in
+            their own dtype.
+        max_norm: clip the gradient to this global norm (the norm of the full gradient).
+        skip_nonfinite: if any rank finds an inf or nan gradient, every rank skips the step
+            (``state.stats.skipped``), e.g. under a gradient scaler.
+        algorithm: ``"collective"`` (all-gather and reduce-scatter calls), ``"rooted"``
+            (per-rank broadcasts and reduces) or ``"auto"`` (rooted for CPU tensors under gloo,
+            where it is faster); see [Note: collective algorithms].
+
+    Example:
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> from shardopt.core import plan_partition, sgd
+        >>> path = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+        >>> params = [torch.ones(3), torch.ones(2)]
+        >>> sharded = shard(sgd(0.5), plan_partition(params, 1))
+        >>> state = sharded.init(params)
+        >>> state = sharded.step(params, [torch.ones(3), None], state)
+        >>> params
+        [tensor([0.5000, 0.5000, 0.5000]), tensor([1., 1.])]
+        >>> dist.destroy_process_group()
+    """
+    opts = ShardOptions(stage, bucket_numel, master_dtype, max_norm, skip_nonfinite, algorithm)
+
+    def init(params: PyTree) -> ShardedState:
+        return _init(tx, plan, opts, group, tree_leaves(params))
+
+    def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
+        return _step(tx, opts, group, tree_leaves(params), grads, state)
+
+    return ShardedTransformation(init, step)
+
+
+def _piece_dtypes(plan: Plan, opts: ShardOptions) -> list[torch.dtype]:
+    out = []
+    for g in plan.groups:
+        dtype = getattr(torch, g.dtype)
+        out.append(opts.master_for(dtype) or dtype)
+    return out
+
+
+def _init(
+    tx: Transformation, plan: Plan, opts: ShardOptions, group: ProcessGroup, params: list[Any]
+) -> ShardedState:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error = check_params(plan, params, world)
+    probed = probe_fields(tx, [torch.zeros(2, dtype=d) for d in _piece_dtypes(plan, opts)])
+    agree_across_ranks("shard", error, fingerprint(plan, (opts, sorted(probed.items()))), group)
+
+    def needs_staging(device: torch.device, split: bool) -> bool:
+        if opts.stage is Stage.GRADIENTS:  # gradients are always packed
+            return True
+        return split and resolve_algorithm(opts.algorithm, group, device) is Algorithm.COLLECTIVE
+
+    layout = build_layout(plan, params, rank, opts.bucket_numel, needs_staging=needs_staging)
+    gather_params(layout, group, opts.algorithm)
+    master = tuple(
+        None if m is None else layout.shard(g).to(m)
+        for g, m in enumerate(opts.master_for(buf.dtype) for buf in layout.buffers)
+    )
+    shards = [m if m is not None else layout.shard(g) for g, m in enumerate(master)]
+    inner, fields, _ = flatten_state(tx.init(layout.piece_views(shards)), layout, probed)
+    reducer = GradReducer(layout, group, opts.algorithm) if opts.stage is Stage.GRADIENTS else None
+    return ShardedState(inner, fields, layout, master, reducer, None)
+
+
+def _grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:
+    return [p.grad for p in params] if grads is None else tree_leaves(grads)
+
+
+def _step(
+    tx: Transformation,
+    opts: ShardOptions,
+    group: ProcessGroup,
+    params: list[torch.Tensor],
+    grads: PyTree | None,
+    state: ShardedState,
+) -> ShardedState:
+    layout: FlatLayout = state.layout
+    problem = layout.check_views(params)
+    if problem is not None:
+        raise ValueError(f"shard: expected {problem}")
+    error, present, piece_grads = _reduced_grads(opts, params, grads, state)
+    stats = None
+    if opts.needs_health:
+        health = _checked_health(error, present, piece_grads, state, group)
+        if health.present is not None:
+            piece_grads = _present_views(state, health.present)
+        if opts.skip_nonfinite and not health.finite:
+            return state._replace(stats=StepStats(health.norm, True))
+        stats = StepStats(health.norm, False)
+        if opts.max_norm is not None:
+            coef = clip_coefficient(health.norm, opts.max_norm)
+            in_place = opts.stage is Stage.GRADIENTS
+            piece_grads = scale_grads(piece_grads, coef, in_place=in_place)
+    piece_grads = _to_master(piece_grads, layout, state.master)
+    update_and_gather(tx, state.inner, layout, piece_grads, state.master, group, opts.algorithm)
+    return state._replace(stats=stats)
+
+
+def _checked_health(
+    error: str | None,
+    present: list[bool] | None,
+    grads: list[torch.Tensor | None],
+    state: ShardedState,
+    group: ProcessGroup,
+) -> Health:
+    """The step's small all-reduce; raises on every rank if any rank had a bad gradient."""
+    if present is not None:  # stage 2: the shards hold zeros where no rank had a gradient
+        grads = list(state.layout.piece_views(state.reducer.shards))
+    health = global_health(grads, error is not None, present, group=group)
+    if error is not None:
+        raise ValueError(f"shard: expected {error}")
+    if health.errors:
+        raise ValueError(
+            f"shard: expected valid gradients on every rank, got errors on {health.errors} "
+            "rank(s) (see their messages)"
+        )
+    return health
+
+
+def _present_views(state: ShardedState, present: Sequence[bool]) -> list[torch.Tensor | None]:
+    """This rank's gradient shard of each of its pieces, None where ``present`` says none."""
+    views = state.layout.piece_views(state.reducer.shards)
+    return [v if present[p.tensor] else None for v, p in zip(views, state.layout.pieces)]
+
+
+def _reduced_grads(
+    opts: ShardOptions, params: list[torch.Tensor], grads: PyTree | None, state: ShardedState
+) -> tuple[str | None, list[bool] | None, list[torch.Tensor | None]]:
+    """(the local gradient error or None, in stage 2 which tensors had a gradient here, this
+    rank's gradient of each of its pieces)."""
+    layout: FlatLayout = state.layout
+    reducer: GradReducer | None = state.reducer
+    hooked = reducer is not None and reducer.hooked
+    error = None
+    if not hooked:
+        full = _grads_of(params, grads)
+        error = check_grads(params, full)
+        if error is not None:
+            if not opts.needs_health:
+                raise ValueError(f"shard: expected {error}")
+            full = [None] * len(params)  # take part in the collectives, raise after the check
+    elif grads is not None:
+        raise ValueError(
+            "shard: expected grads=None in step when gradient hooks are registered, got grads"
+        )
+    if reducer is None:
+        return error, None, layout.grad_views(full)
+    present = reducer.finish() if hooked else reducer.reduce(full)
+    return error, present, _present_views(state, present)
+
+
+def _to_master(
+    grads: list[torch.Tensor | None], layout: FlatLayout, master: tuple[torch.Tensor | None, ...]
+) -> list[torch.Tensor | None]:
+    out = []
+    for g, piece in zip(grads, layout.pieces):
+        m = master[piece.group]
+        out.append(g if g is None or m is None else g.to(m.dtype))
+    return out

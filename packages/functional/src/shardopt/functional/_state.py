@@ -1,0 +1,205 @@
+"""The sharded state: the optimizer's state over this rank's pieces, stored in flat shards."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardopt.core import Transformation
+from shardopt.functional._layout import FlatLayout
+
+__all__ = [
+    "FieldKind",
+    "ShardedState",
+    "StateField",
+    "StepStats",
+    "flatten_state",
+    "probe_fields",
+    "slice_state",
+]
+
+# [Note: sharded state layout]
+# ``init`` returns a ShardedState; on rank r it holds only what rank r owns:
+#
+# - ``layout`` (a FlatLayout): ``plan``, ``rank``, ``buffers[g]`` the full flat parameter buffer
+#   of ``plan.groups[g]`` (the parameters are views of it), ``pieces = plan.pieces(rank)``.
+# - ``inner``: ``tx.init(pieces)`` where ``pieces`` is the list of this rank's pieces as 1-D views
+#   (of ``master[g]`` where that is set, of the rank's slice of ``buffers[g]`` otherwise). Piece
+#   k of the list is ``layout.pieces[k]``. Its per-piece lists (the "fields", e.g. the ``mu`` of
+#   Adam, a list with one tensor per piece) are re-pointed into flat storage:
+# - ``fields``: one StateField per field, in ``tree_flatten`` order of ``inner``, with ``path``
+#   the pytree key path of the field in ``inner`` (e.g. ``"[1].mu"``), ``kind`` and ``buffers``
+#   (one per plan group g):
+#     ELEMENTWISE: ``buffers[g]`` has ``shard_numel`` elements, the state of piece k lies at
+#       ``[piece.offset, piece.offset + piece.numel)``: exactly where the piece's parameter
+#       elements lie in the rank's slice of ``layout.buffers[g]``. Gathering ``buffers[g]`` of
+#       every rank (rank-major, like the parameters) gives the field for every tensor of the
+#       group at ``plan.groups[g].offsets``; padding holds zeros.
+#     PER_PIECE: one value per piece (a 0-d leaf, e.g. the per-parameter step count):
+#       ``buffers[g][j]`` is the value of the j-th piece of group g in ``layout.pieces``. The
+#       pieces of one tensor on different ranks hold the same value (they see the same gradients),
+#       so a consolidated state takes it from the rank owning the tensor's first element.
+#   The field set, kinds and dtypes are the same on every rank (found by ``probe_fields`` from
+#   the plan, not from the pieces), so ranks owning nothing still hold (zero) buffers.
+# - ``master[g]``: the rank's slice of the float32 (``master_dtype``) master weights of a low
+#   precision group, ``shard_numel`` elements laid out like the parameters, or None.
+# - ``reducer``: stage 2's gradient reducer (persistent gradient shards, hooks), else None.
+# - ``stats``: the global gradient norm and whether the last step was skipped (or None).
+#
+# Leaves of ``inner`` outside fields (a transform with a global, not per-parameter, state) stay as
+# they are; they are replicated, never sharded.
+
+
+class FieldKind(enum.Enum):
+    """How a state field is stored: one element per parameter element, or one value per piece."""
+
+    ELEMENTWISE = "elementwise"
+    PER_PIECE = "per_piece"
+
+
+class StateField(NamedTuple):
+    """A per-piece field of the optimizer state, in flat storage ([Note: sharded state layout])."""
+
+    path: str
+    kind: FieldKind
+    buffers: tuple[torch.Tensor, ...]
+
+
+class StepStats(NamedTuple):
+    """The global gradient norm of the last step (before clipping) and whether it was skipped."""
+
+    grad_norm: torch.Tensor
+    skipped: bool
+
+
+class ShardedState(NamedTuple):
+    """This rank's part of a sharded optimizer (see [Note: sharded state layout])."""
+
+    inner: Any
+    fields: tuple[StateField, ...]
+    layout: FlatLayout
+    master: tuple[torch.Tensor | None, ...]
+    reducer: Any
+    stats: StepStats | None
+
+
+def _field_pred(n: int) -> Callable[[Any], bool]:
+    def is_field(x: Any) -> bool:
+        return (
+            type(x) is list
+            and len(x) == n
+            and all(e is None or isinstance(e, torch.Tensor) for e in x)
+        )
+
+    return is_field
+
+
+def _key(path: tuple[Any, ...]) -> str:
+    return pytree.keystr(path)
+
+
+def probe_fields(
+    tx: Transformation, probes: Sequence[torch.Tensor]
+) -> dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]]:
+    """The fields of ``tx``'s state, with their kind and dtype per group, from one probe per group.
+
+    ``probes[g]`` is a 2-element tensor of the dtype and device the pieces of group ``g`` have.
+    A field whose probe leaves are all 2-element tensors is ELEMENTWISE, all 0-d PER_PIECE; any
+    other per-piece list is left out (stored as it comes).
+    """
+    state = tx.init(list(probes))
+    leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=_field_pred(len(probes)))
+    out = {}
+    for path, leaf in leaves:
+        if not _field_pred(len(probes))(leaf) or any(e is None for e in leaf):
+            continue
+        if all(e.shape == (2,) for e in leaf):
+            out[_key(path)] = (FieldKind.ELEMENTWISE, tuple(e.dtype for e in leaf))
+        elif all(e.dim() == 0 for e in leaf):
+            out[_key(path)] = (FieldKind.PER_PIECE, tuple(e.dtype for e in leaf))
+    return out
+
+
+def flatten_state(
+    inner: Any,
+    layout: FlatLayout,
+    probed: dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]],
+) -> tuple[Any, tuple[StateField, ...], bool]:
+    """Moves the fields of ``inner = tx.init(pieces)`` into flat buffers; their leaves become views.
+
+    Returns ``(inner, fields, sliceable)``: ``sliceable`` is False when ``inner`` holds tensors
+    outside fields, which :func:`slice_state` cannot split by pieces.
+    """
+    n = len(layout.pieces)
+    is_field = _field_pred(n)
+    leaves, spec = pytree.tree_flatten_with_path(inner, is_leaf=is_field)
+    index_in_group = _index_in_group(layout)
+    fields: list[StateField] = []
+    new_leaves: list[Any] = []
+    sliceable = True
+    for path, leaf in leaves:
+        info = probed.get(_key(path)) if is_field(leaf) else None
+        if info is None:
+            sliceable = sliceable and not _holds_tensors(leaf)
+            new_leaves.append(leaf)
+            continue
+        kind, dtypes = info
+        buffers = _alloc(layout, kind, dtypes)
+        views = []
+        for k, (piece, value) in enumerate(zip(layout.pieces, leaf)):
+            buf = buffers[piece.group]
+            if kind is FieldKind.ELEMENTWISE:
+                view = buf[piece.offset : piece.offset + piece.numel]
+            else:
+                view = buf[index_in_group[k]]
+            view.copy_(value)
+            views.append(view)
+        fields.append(StateField(_key(path), kind, buffers))
+        new_leaves.append(views)
+    return pytree.tree_unflatten(new_leaves, spec), tuple(fields), sliceable
+
+
+def _holds_tensors(leaf: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(leaf))
+
+
+def _index_in_group(layout: FlatLayout) -> list[int]:
+    counts = [0] * len(layout.plan.groups)
+    out = []
+    for piece in layout.pieces:
+        out.append(counts[piece.group])
+        counts[piece.group] += 1
+    return out
+
+
+def _alloc(
+    layout: FlatLayout, kind: FieldKind, dtypes: tuple[torch.dtype, ...]
+) -> tuple[torch.Tensor, ...]:
+    sizes = [0] * len(layout.plan.groups)
+    for piece in layout.pieces:
+        sizes[piece.group] += 1
+    out = []
+    for g, group in enumerate(layout.plan.groups):
+        numel = group.shard_numel if kind is FieldKind.ELEMENTWISE else sizes[g]
+        out.append(torch.zeros(numel, dtype=dtypes[g], device=layout.buffers[g].device))
+    return tuple(out)
+
+
+def slice_state(inner: Any, n: int, lo: int, hi: int) -> Any:
+    """The state of pieces ``[lo, hi)`` of a state over ``n`` pieces: its fields cut to that range.
+
+    The leaves are the same tensor objects, so an in-place update of the slice updates ``inner``.
+
+    Example:
+        >>> import torch
+        >>> s = {"mu": [torch.zeros(1), torch.ones(1), torch.zeros(2)], "t": ()}
+        >>> slice_state(s, 3, 1, 2)
+        {'mu': [tensor([1.])], 't': ()}
+    """
+    is_field = _field_pred(n)
+    leaves, spec = pytree.tree_flatten(inner, is_leaf=is_field)
+    return pytree.tree_unflatten([x[lo:hi] if is_field(x) else x for x in leaves], spec)

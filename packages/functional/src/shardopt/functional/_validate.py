@@ -1,0 +1,130 @@
+"""Input checks: local ones, and the cross-rank agreement that turns a would-be hang into errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardopt.core import Plan
+from shardopt.functional._collectives import ProcessGroup, all_gather_rows, comm_device
+
+__all__ = ["agree_across_ranks", "check_grads", "check_params", "fingerprint"]
+
+# [Note: cross-rank validation]
+# A collective that some ranks enter and others do not (or enter with other sizes) hangs until
+# the process group times out. So every check whose outcome may differ between ranks is settled
+# before the first data collective: ``init`` runs the local checks, then all-gathers one small
+# int64 row per rank ``[error flag, fingerprint]``. The fingerprint hashes everything that must be
+# equal on all ranks: the plan (device indices dropped: rank r legitimately uses cuda:r), the
+# sharding options and the structure of the optimizer state. Then every rank raises the same
+# kind of ValueError if any rank failed a local check or any fingerprint differs; none proceeds.
+# Gradients are only seen in ``step``; their checks are local (see [Note: gradient checks]).
+
+
+def check_params(plan: Plan, params: Sequence[Any], world_size: int) -> str | None:
+    """The first problem of ``params`` against ``plan`` as a message, or None."""
+    if plan.world_size != world_size:
+        return f"a plan for world_size={world_size}, got a plan for {plan.world_size}"
+    if len(params) != len(plan.tensors):
+        return f"{len(plan.tensors)} parameters (as in the plan), got {len(params)}"
+    seen: set[int] = set()
+    for i, (p, spec) in enumerate(zip(params, plan.tensors)):
+        if not isinstance(p, torch.Tensor):
+            return f"params[{i}] to be a tensor, got {type(p).__name__}"
+        if p.layout != torch.strided:
+            return f"params[{i}] to be a dense (strided) tensor, got layout {p.layout}"
+        if id(p) in seen:
+            return f"distinct parameters, got params[{i}] twice"
+        seen.add(id(p))
+        if tuple(p.shape) != spec.shape or p.dtype != spec.torch_dtype:
+            return (
+                f"params[{i}] of shape {spec.shape} and dtype {spec.dtype} (as in the plan), got "
+                f"{tuple(p.shape)} and {str(p.dtype).removeprefix('torch.')}"
+            )
+        planned = spec.device.split(":")[0]
+        if planned != "meta" and planned != p.device.type:
+            return f"params[{i}] on a {planned} device (as in the plan), got {p.device}"
+    for g, group in enumerate(plan.groups):
+        devices = {str(params[t].device) for t in group.tensors}
+        if len(devices) > 1:
+            return f"the parameters of plan group {g} on one device, got {sorted(devices)}"
+    return None
+
+
+def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> str | None:
+    """The first problem of ``grads`` (one per parameter, or None) as a message, or None.
+
+    [Note: gradient checks]
+    Gradients must be dense, contiguous, and of their parameter's shape, dtype and device: the
+    sharded step reads them as flat views. These checks run on each rank on its own gradients. A
+    defect produced by code that every rank runs shows on every rank, which then all raise; a
+    defect on one rank only is reported on every rank when the step has its small all-reduce
+    (``max_norm`` or ``skip_nonfinite``), and otherwise raises on that rank alone while the
+    others wait in the next collective until the process group's timeout.
+    """
+    if len(grads) != len(params):
+        return f"{len(params)} gradients (one per parameter), got {len(grads)}"
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is None:
+            continue
+        if not isinstance(g, torch.Tensor):
+            return f"grads[{i}] to be a tensor or None, got {type(g).__name__}"
+        if g.layout != torch.strided:
+            return f"grads[{i}] to be dense, got a {g.layout} gradient"
+        if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            return (
+                f"grads[{i}] of shape {tuple(p.shape)}, dtype {p.dtype} on {p.device}, got "
+                f"{tuple(g.shape)}, {g.dtype} on {g.device}"
+            )
+        if not g.is_contiguous():
+            return f"grads[{i}] to be contiguous, got strides {g.stride()}"
+    return None
+
+
+def _normalized_plan(plan: Plan) -> dict[str, Any]:
+    data = plan.to_dict()
+    for record in (*data["tensors"], *data["groups"]):
+        record["device"] = str(record["device"]).split(":")[0]
+    return data
+
+
+def fingerprint(plan: Plan, extra: Any) -> int:
+    """A 63-bit hash of ``plan`` (device indices dropped) and of ``repr(extra)``.
+
+    Example:
+        >>> from shardopt.core import plan_partition
+        >>> a = plan_partition([((2, 3), "float32", "cuda:0")], 2)
+        >>> b = plan_partition([((2, 3), "float32", "cuda:1")], 2)
+        >>> fingerprint(a, "x") == fingerprint(b, "x") != fingerprint(a, "y")
+        True
+    """
+    text = json.dumps([_normalized_plan(plan), repr(extra)], sort_keys=True)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def agree_across_ranks(api: str, error: str | None, print_: int, group: ProcessGroup) -> None:
+    """Raises ``ValueError`` on every rank if any rank has an ``error`` or another fingerprint.
+
+    One all-gather of two int64 per rank (see [Note: cross-rank validation]).
+    """
+    row = torch.tensor([0 if error is None else 1, print_], dtype=torch.int64)
+    rows = all_gather_rows(row.to(comm_device(group)), group=group).cpu()
+    if error is not None:
+        raise ValueError(f"{api}: expected {error}")
+    failed = [r for r in range(rows.shape[0]) if rows[r, 0].item()]
+    if failed:
+        raise ValueError(
+            f"{api}: expected valid input on every rank, got an error on rank(s) {failed} "
+            "(see its message)"
+        )
+    prints = rows[:, 1].tolist()
+    if len(set(prints)) > 1:
+        raise ValueError(
+            f"{api}: expected the same parameters, plan, options and optimizer state structure "
+            f"on every rank, got fingerprints {prints} (one per rank)"
+        )

@@ -1,0 +1,96 @@
+"""The sharded state layout: fields in flat shards at the pieces' offsets, sliceable by pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardopt.core import Transformation, adagrad, adam, chain, plan_partition, sgd
+from shardopt.functional._layout import build_layout
+from shardopt.functional._state import FieldKind, flatten_state, probe_fields, slice_state
+
+
+def layout_for(world: int, rank: int, strategy: str = "flat"):
+    params = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(9)]
+    plan = plan_partition(params, world, strategy=strategy, align=1)
+    return build_layout(plan, params, rank, None)
+
+
+def probes(layout) -> list[torch.Tensor]:
+    return [torch.zeros(2, dtype=b.dtype) for b in layout.buffers]
+
+
+def test_adam_fields_are_two_elementwise_moments_and_a_per_piece_count():
+    layout = layout_for(2, 0)
+    fields = probe_fields(adam(), probes(layout))
+    kinds = sorted((kind.value, dtypes) for kind, dtypes in fields.values())
+    f32, f64 = torch.float32, torch.float64
+    assert kinds == [
+        ("elementwise", (f32, f64)),
+        ("elementwise", (f32, f64)),
+        ("per_piece", (f32, f32)),
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 1)])
+def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank):
+    layout = layout_for(world, rank, strategy)
+    tx = adagrad(initial_accumulator_value=0.5)
+    shards = [layout.shard(g) for g in range(len(layout.buffers))]
+    pieces = layout.piece_views(shards)
+    inner, fields, sliceable = flatten_state(
+        tx.init(pieces), layout, probe_fields(tx, probes(layout))
+    )
+    assert sliceable
+    elementwise = [f for f in fields if f.kind is FieldKind.ELEMENTWISE]
+    assert elementwise, "adagrad's sum of squares should be elementwise"
+    for f in elementwise:
+        assert [b.numel() for b in f.buffers] == [g.shard_numel for g in layout.plan.groups]
+        for p in layout.pieces:
+            assert torch.all(f.buffers[p.group][p.offset : p.offset + p.numel] == 0.5)
+    count = next(f for f in fields if f.kind is FieldKind.PER_PIECE)
+    n_per_group = [sum(p.group == g for p in layout.pieces) for g in range(len(layout.buffers))]
+    assert [b.numel() for b in count.buffers] == n_per_group
+    # the leaves are the views: writing a leaf writes the buffer
+    leaves = [x for x in torch.utils._pytree.tree_leaves(inner) if x.dim() == 1]
+    for leaf in leaves:
+        leaf.fill_(3.0)
+    assert all(
+        torch.all(f.buffers[p.group][p.offset : p.offset + p.numel] == 3.0)
+        for f in elementwise
+        for p in layout.pieces
+    )
+
+
+def test_slices_share_the_tensors_of_the_whole_state():
+    layout = layout_for(1, 0)
+    tx = sgd(0.1, momentum=0.9)
+    shards = [layout.shard(g) for g in range(len(layout.buffers))]
+    inner, _, _ = flatten_state(
+        tx.init(layout.piece_views(shards)), layout, probe_fields(tx, probes(layout))
+    )
+    whole = torch.utils._pytree.tree_leaves(inner)
+    part = torch.utils._pytree.tree_leaves(slice_state(inner, len(layout.pieces), 1, 2))
+    assert part
+    assert all(any(x is y for y in whole) for x in part)
+
+
+def test_a_global_state_tensor_makes_the_state_unsliceable():
+    def init(params):
+        return (adam().init(params), torch.zeros(()))
+
+    tx = Transformation(init, adam().update)
+    layout = layout_for(1, 0)
+    shards = [layout.shard(g) for g in range(len(layout.buffers))]
+    _, _, sliceable = flatten_state(
+        tx.init(layout.piece_views(shards)), layout, probe_fields(tx, probes(layout))
+    )
+    assert not sliceable
+
+
+def test_chained_states_have_paths_that_name_their_place():
+    layout = layout_for(2, 0)
+    tx = chain(sgd(0.1, momentum=0.9), adam())
+    paths = sorted(probe_fields(tx, probes(layout)))
+    assert all(p.startswith(("[0]", "[1]")) for p in paths)
