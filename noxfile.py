@@ -11,7 +11,8 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 PACKAGES = ("packages/core", "packages/functional", "packages/testing")
-TEST_PATHS = ("README.md", *(f"{p}/tests" for p in PACKAGES))
+SOURCE_PATHS = tuple(f"{p}/src/shardopt" for p in PACKAGES)
+TEST_PATHS = ("README.md", *(f"{p}/tests" for p in PACKAGES), *SOURCE_PATHS)
 # One intra-op thread per rank: CI has 2 cores and the suite runs worlds side by side.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -25,7 +26,7 @@ def _install(session: nox.Session, requirements: str = "ci/requirements.txt") ->
 def tests(session: nox.Session) -> None:
     """Runs the whole suite with pytest-xdist (a run that collects nothing fails: exit 5)."""
     _install(session)
-    args = session.posargs or ["-n", "auto", "--timeout=600", *TEST_PATHS]
+    args = session.posargs or ["-n", "auto", "--timeout=600", "--doctest-modules", *TEST_PATHS]
     session.run("pytest", *args, env=THREAD_ENV)
 
 

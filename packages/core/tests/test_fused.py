@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -19,7 +20,9 @@ from shardopt.core import (
     tree_leaves,
     update_flat_,
 )
-from shardopt.core._fused import Kernel, select_kernel
+from shardopt.core._fused import FUSED_DEVICES, Kernel, select_kernel, split_state
+
+from _core_helpers import option_id
 
 SIZES = (1, 17, 1000)
 STEPS = 20
@@ -137,13 +140,10 @@ def test_update_flat_matches_the_pure_path_for_20_steps(
             assert_close([ours.reshape(-1)], [ref.reshape(-1)], FLOAT32_RTOL)
 
 
-# torch's fused SGD fails when only some momentum buffers exist (None gradients after the
-# first step), so SGD with momentum is compared without None gradients.
+# SGD's rule does not call torch's fused kernel on CPU (see [Note: SGD on CPU is foreach]): it is
+# compared with torch's for-loop and foreach SGD below instead.
 TORCH_FUSED_CASES = [
-    (*case, skips)
-    for case in CASES
-    for skips in (False, True)
-    if not (skips and case[3].get("momentum", 0) != 0)
+    (*case, skips) for case in CASES for skips in (False, True) if case[1] is not sgd
 ]
 
 
@@ -161,7 +161,10 @@ def test_update_flat_equals_torch_fused_bitwise(
     skips: bool,
     dtype: torch.dtype,
 ) -> None:
-    """The same fused kernel with the same arguments and float32 step counts: bitwise equal."""
+    """The same fused kernel with the same arguments and float32 step counts: bitwise equal.
+
+    Adam, AdamW and Adagrad only: SGD on CPU runs foreach ops (see the SGD tests below).
+    """
     tx = factory(**options)
     ours = make_flat(dtype)
     state = tx.init(ours)
@@ -176,6 +179,99 @@ def test_update_flat_equals_torch_fused_bitwise(
         opt.step()
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b.detach())
+
+
+# Every combination torch accepts (nesterov needs momentum > 0 and dampening == 0).
+SGD_OPTIONS = [
+    {"momentum": m, "dampening": d, "nesterov": n, "weight_decay": w, "maximize": x}
+    for m, d, n, w, x in itertools.product(
+        (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 0.1), (False, True)
+    )
+    if not n or (m > 0 and d == 0)
+]
+LR_KINDS = {"float_lr": 0.05, "tensor_lr": torch.tensor(0.05)}
+# (dtype, torch's foreach flag). In float16/bfloat16 torch's CPU foreach SGD differs from its
+# for-loop (its foreach mul rounds the momentum to the dtype first): the rule follows the loop.
+SGD_TORCH_PATHS = [
+    *[(dtype, foreach) for dtype in DTYPES for foreach in (False, True)],
+    (torch.bfloat16, False),
+    (torch.float16, False),
+]
+
+
+def momentum_buffers(state: Any) -> list[torch.Tensor]:
+    main = split_state(state)[0]
+    return [] if main is None else tree_leaves(main.momentum)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "foreach"),
+    SGD_TORCH_PATHS,
+    ids=[f"{d}-{'torch_foreach' if f else 'torch_for_loop'}" for d, f in SGD_TORCH_PATHS],
+)
+@pytest.mark.parametrize("skips", [False, True], ids=["all_grads", "none_grads"])
+@pytest.mark.parametrize("lr_kind", list(LR_KINDS))
+@pytest.mark.parametrize("options", SGD_OPTIONS, ids=option_id)
+def test_update_flat_sgd_equals_torch_sgd_bitwise_on_cpu(
+    options: dict[str, Any], lr_kind: str, skips: bool, dtype: torch.dtype, foreach: bool
+) -> None:
+    """20 steps of parameters and momentum buffers: the same ops in torch's order, to the bit."""
+    lr = LR_KINDS[lr_kind]
+    tx = sgd(lr, **options)
+    ours = make_flat(dtype)
+    state = tx.init(ours)
+    theirs = [p.clone().requires_grad_(True) for p in make_flat(dtype)]
+    opt = torch.optim.SGD(theirs, lr=lr, foreach=foreach, **options)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        grads = make_grads(gen, step, dtype, skips)
+        update_flat_(tx, ours, grads, state)
+        for p, g in zip(theirs, grads):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b.detach()), f"tensor {i} (size {SIZES[i]})"
+    for buf, p in zip(momentum_buffers(state), theirs):
+        assert torch.equal(buf, opt.state[p]["momentum_buffer"])
+
+
+SPLIT_NUMEL = 1000
+
+
+def cut(x: torch.Tensor, cuts: tuple[int, ...]) -> list[torch.Tensor]:
+    """Views of ``x`` between consecutive ``cuts`` (0 and its length added)."""
+    bounds = [0, *cuts, x.numel()]
+    return [x[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("cuts", [(1, 7, 17, 33), (3, 500, 999)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lr_kind", list(LR_KINDS))
+@pytest.mark.parametrize("options", SGD_OPTIONS, ids=option_id)
+def test_update_flat_sgd_is_split_invariant(
+    options: dict[str, Any], lr_kind: str, dtype: torch.dtype, cuts: tuple[int, ...]
+) -> None:
+    """A tensor stepped whole or as pieces at odd offsets (a shard's cuts): the same bits, for
+    parameters and momentum buffers, over 20 steps with a missing gradient every third step.
+
+    float32 and float64 only: in float16/bfloat16 torch's CPU ``add`` with alpha is itself
+    split-dependent (see [Note: SGD on CPU is foreach]).
+    """
+    tx = sgd(LR_KINDS[lr_kind], **options)
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(SPLIT_NUMEL, generator=gen, dtype=torch.float64).to(dtype)
+    split = whole.clone()
+    pieces = cut(split, cuts)
+    whole_state, pieces_state = tx.init([whole]), tx.init(pieces)
+    for step in range(STEPS):
+        g = torch.randn(SPLIT_NUMEL, generator=gen, dtype=torch.float64).to(dtype)
+        skip = step % 3 == 2
+        update_flat_(tx, [whole], [None if skip else g], whole_state)
+        update_flat_(tx, pieces, [None] * len(pieces) if skip else cut(g, cuts), pieces_state)
+    assert torch.equal(split, whole)
+    bufs = momentum_buffers(pieces_state)
+    if bufs:
+        assert torch.equal(torch.cat(bufs), momentum_buffers(whole_state)[0])
 
 
 @pytest.mark.parametrize(
@@ -281,29 +377,38 @@ def test_update_flat_and_the_pure_path_can_take_turns_on_one_state() -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "grads", "fusable", "kernel"),
+    ("params", "grads", "fused_on", "kernel"),
     [
-        ([torch.zeros(3)], [torch.ones(3)], True, Kernel.FUSED),
+        ([torch.zeros(3)], [torch.ones(3)], FUSED_DEVICES, Kernel.FUSED),
         (
             [torch.zeros(3, dtype=torch.bfloat16)],
             [torch.ones(3, dtype=torch.bfloat16)],
-            True,
+            FUSED_DEVICES,
             Kernel.FUSED,
         ),
-        ([torch.zeros(3)], [torch.ones(3)], False, Kernel.FOREACH),
-        ([torch.zeros(3)], [torch.ones(3, dtype=torch.float64)], True, Kernel.PURE),
+        ([torch.zeros(3)], [torch.ones(3)], frozenset(), Kernel.FOREACH),
+        ([torch.zeros(3)], [torch.ones(3)], frozenset({"cuda"}), Kernel.FOREACH),
+        ([torch.zeros(3)], [torch.ones(3, dtype=torch.float64)], FUSED_DEVICES, Kernel.PURE),
         (
             [torch.zeros(3, dtype=torch.complex64)],
             [torch.ones(3, dtype=torch.complex64)],
-            True,
+            FUSED_DEVICES,
             Kernel.PURE,
         ),
-        ([torch.zeros(4, 3).t()], [torch.ones(3, 4)], True, Kernel.FOREACH),
+        ([torch.zeros(4, 3).t()], [torch.ones(3, 4)], FUSED_DEVICES, Kernel.FOREACH),
     ],
-    ids=["float32", "bfloat16", "not_fusable", "grad_dtype_differs", "complex", "transposed"],
+    ids=[
+        "float32",
+        "bfloat16",
+        "not_fusable",
+        "fused_on_cuda_only",
+        "grad_dtype_differs",
+        "complex",
+        "transposed",
+    ],
 )
-def test_select_kernel(params: Any, grads: Any, fusable: bool, kernel: Kernel) -> None:
-    assert select_kernel(params, grads, fusable=fusable) is kernel
+def test_select_kernel(params: Any, grads: Any, fused_on: frozenset[str], kernel: Kernel) -> None:
+    assert select_kernel(params, grads, fused_on=fused_on) is kernel
 
 
 def test_update_flat_handles_non_contiguous_parameters() -> None:

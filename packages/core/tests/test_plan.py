@@ -587,6 +587,22 @@ def test_fingerprint_is_a_fixed_63_bit_value_that_tracks_the_content():
     assert plan_partition([((4, 3), "float32"), ((5,), "bfloat16")], 3).fingerprint() != FINGERPRINT
 
 
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+def test_fingerprint_ignores_device_indices_but_not_device_types_nor_the_layout(strategy):
+    """Rank r holds its parameters on cuda:r: the same plan must fingerprint alike on every rank;
+    to_dict keeps the index."""
+
+    def on(device: str, world: int = 2) -> Plan:
+        tensors = [((3, 2), "float32", device), ((5,), "bfloat16", device)]
+        return plan_partition(tensors, world, strategy=strategy)
+
+    assert on("cuda:0").fingerprint() == on("cuda:1").fingerprint() == on("cuda").fingerprint()
+    assert on("cuda:0").fingerprint() != on("cpu").fingerprint()
+    assert on("cuda:0").fingerprint() != on("cuda:0", world=3).fingerprint()
+    assert on("cuda:1").to_dict()["groups"][0]["device"] == "cuda:1"
+    assert on("cuda:1").to_dict()["tensors"][1]["device"] == "cuda:1"
+
+
 def test_plan_is_frozen_and_its_public_names_are_exported_by_shardopt_core():
     plan = plan_partition([((3,), "float32")], 2)
     with pytest.raises(AttributeError):

@@ -48,18 +48,19 @@ FROZEN, SOMETIMES = 3, 4
 STEPS = 20
 RTOL = {F32: 1e-6, F64: 1e-12}  # measured: at most 1e-7 and 1e-16
 
-# name: (our factory, torch class, torch kwargs). SGD is compared with torch's fused kernel, the
-# one core's flat rule calls (see test_sgd_is_bitwise_where_pieces_are_whole_tensors).
+# name: (our factory, torch class, torch kwargs). SGD is compared with torch's default CPU SGD
+# (the for-loop), whose ops core's flat rule applies in the same order on CPU, bitwise on any
+# split of a tensor (see [Note: SGD on CPU is foreach] in shardopt.core._fused).
 OPTIMIZERS: dict[str, tuple[Callable[[], Any], type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd_momentum": (
         lambda: sgd(0.1, momentum=0.9, weight_decay=0.01),
         torch.optim.SGD,
-        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "fused": True},
+        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
     ),
     "sgd_nesterov": (
         lambda: sgd(0.1, momentum=0.9, nesterov=True),
         torch.optim.SGD,
-        {"lr": 0.1, "momentum": 0.9, "nesterov": True, "fused": True},
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True},
     ),
     "adam": (lambda: adam(1e-2), torch.optim.Adam, {"lr": 1e-2}),
     "adamw_amsgrad": (
@@ -164,11 +165,21 @@ def equivalence_table(
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_optimizer_matches_torch_for_20_steps_on_every_rank(run_world, world, stage):
+    """SGD bitwise, with flat plans (tensors cut at arbitrary offsets) and greedy ones; the rest
+    within float32 / float64 tolerance.
+
+    SGD's bitwise claim needs the same averaged gradient on both sides. The gradients are
+    multiples of 1/64 (see :func:`local_grads`), so their sum over ranks is exact in any order:
+    the reduce-scatter of stage 2 (and the caller's average of stage 1) then equals the
+    reference's rank-order sum divided by W to the bit at every W. With arbitrary floats the
+    sum over W > 2 ranks rounds differently in another order (W = 2 is exact: a + b == b + a),
+    and only the tolerance would be meaningful.
+    """
     results = run_world(equivalence_table, world, stage, timeout=120)
     for rank, rows in enumerate(results):
         for name, strategy, errors, bitwise in rows:
             where = f"rank {rank}, {name}, {strategy}"
-            if name.startswith("sgd") and strategy == "greedy":
+            if name.startswith("sgd"):
                 assert bitwise, f"{where}: SGD not bitwise equal, errors {errors}"
             for (_, dtype), err in zip(SHAPES, errors):
                 assert err <= RTOL[dtype], f"{where}: relative error {err:.2e}"
@@ -184,8 +195,8 @@ def test_the_other_core_optimizers_match_torch_for_20_steps(run_world, world, st
 
 
 def bitwise_sgd_flat(rank: int, world: int) -> bool:
-    """SGD through the flat plan with the pure path (no fused tail): bitwise against the pure
-    path on one process, which is what a split-invariant flat rule would give."""
+    """SGD through the flat plan with the pure path (no flat rule): bitwise against the pure path
+    on one process, as the split-invariant elementwise ops of the pure path promise."""
     from shardopt.core import Transformation, apply_updates
 
     def without_rule(tx: Transformation) -> Transformation:
@@ -276,7 +287,7 @@ def stage1_accumulation(rank: int, world: int) -> bool:
     """Stage 1: the caller sums micro-step gradients and passes the average at the boundary."""
     params = make_params()
     ref = [p.clone().requires_grad_(True) for p in params]
-    opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, fused=True)
+    opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
     sharded = shard(sgd(0.1, momentum=0.9), plan_partition(params, world, strategy="greedy"))
     state = sharded.init(params)
     for step in range(4):
@@ -370,8 +381,15 @@ def test_reference_models_train_like_torch_for_20_steps(
     if stage == 1:  # stage 1 steps with averaged gradients, as behind DDP
         candidate = with_gradient_averaging(candidate)
     _, torch_cls, kwargs = {**OPTIMIZERS, **OTHERS}[name]
-    if problem == "mixed_dtypes":  # bfloat16: torch's fused kernel, as core's flat rule calls;
-        kwargs = {**kwargs, "fused": True}  # the for-loop path rounds every intermediate
+    is_sgd = name.startswith("sgd")
+    if problem == "mixed_dtypes" and not is_sgd:  # bfloat16: torch's fused kernel, as core's
+        kwargs = {**kwargs, "fused": True}  # flat rule calls; the for-loop rounds intermediates
+    # SGD is bitwise wherever the averaged gradient is: at W <= 2 (a sum of two is exact in
+    # either order). At W = 3 the all-reduce sums these real-valued gradients in another order
+    # than the reference's rank-order sum, so only the tolerance is meaningful there (see
+    # test_every_optimizer_matches_torch_for_20_steps_on_every_rank for W = 3, 4 on exact sums).
+    # The bfloat16 SGD run is greedy: bfloat16 is bitwise on whole tensors only, as torch's CPU
+    # ``add`` with alpha is itself split-dependent in that dtype.
     assert_matches_torch(
         candidate,
         torch_cls,
@@ -379,5 +397,6 @@ def test_reference_models_train_like_torch_for_20_steps(
         problem=reference_problem(problem),
         world_size=world,
         steps=STEPS,
+        exact=is_sgd and world <= 2,
         backend="gloo",
     )

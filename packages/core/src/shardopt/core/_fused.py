@@ -28,13 +28,15 @@ Lr = float | torch.Tensor
 # [Note: flat rules]
 # A rule (see [Note: flat fast path]) drops the parameters without a gradient, picks a kernel for
 # the rest and updates parameters and state tensors in place:
-# - FUSED: ``torch._fused_<name>_`` on CPU and CUDA, one launch per (device, dtype, lr) group.
+# - FUSED: ``torch._fused_<name>_`` on CPU and CUDA (SGD: CUDA only, see
+#   [Note: SGD on CPU is foreach]), one launch per (device, dtype, lr) group.
 #   Counts are float32 0-d tensors on the parameter's device, which is what the kernels take as
 #   ``state_steps``. A schedule gives each parameter its own lr tensor (its count may differ
 #   when some parameters skipped steps), hence one launch per parameter: telling equal values
 #   apart would need a device-to-host read.
 # - FOREACH: ``torch._foreach_*`` kernels with the arithmetic of the pure path, for other devices,
-#   non-contiguous tensors and what the fused kernels lack (SGD's dampened first step).
+#   SGD on CPU, non-contiguous tensors and what the fused kernels lack (SGD's dampened first
+#   step).
 # - PURE: the pure transformation, copied back, for tensor hyperparameters other than lr, and
 #   for parameters whose gradients have another dtype or device.
 # Every count of the factory's chain advances by one per parameter stepped, as in the pure path,
@@ -49,23 +51,30 @@ class Kernel(enum.Enum):
     PURE = "pure"
 
 
-_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+FUSED_DEVICES = frozenset({"cpu", "cuda"})
+_SGD_FUSED_DEVICES = frozenset({"cuda"})  # see [Note: SGD on CPU is foreach]
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
-def select_kernel(params: Tensors, grads: Tensors, *, fusable: bool = True) -> Kernel:
-    """The kernel for these parameters and their (non-None) gradients.
+def select_kernel(
+    params: Tensors, grads: Tensors, *, fused_on: frozenset[str] = FUSED_DEVICES
+) -> Kernel:
+    """The kernel for these parameters and their (non-None) gradients; ``fused_on`` are the
+    device types where the rule calls its fused kernel (none: never).
 
     Example:
         >>> import torch
         >>> select_kernel([torch.zeros(2)], [torch.ones(2)])
         <Kernel.FUSED: 'fused'>
+        >>> select_kernel([torch.zeros(2)], [torch.ones(2)], fused_on=frozenset({"cuda"}))
+        <Kernel.FOREACH: 'foreach'>
     """
     if any(g.dtype != p.dtype or g.device != p.device for p, g in zip(params, grads)):
         return Kernel.PURE
     if any(p.dtype not in _FLOAT_DTYPES for p in params):
         return Kernel.PURE
-    if not fusable or any(p.device.type not in _FUSED_DEVICES for p in params):
+    if any(p.device.type not in fused_on for p in params):
         return Kernel.FOREACH
     # The fused kernels walk memory in order: every tensor must be laid out the same way.
     if all(p.is_contiguous() and g.is_contiguous() for p, g in zip(params, grads)):
@@ -126,7 +135,7 @@ def _drive(
     state: Sequence[Any],
     kernels: dict[Kernel, Callable[..., None]],
     *,
-    fusable: bool,
+    fused_on: frozenset[str],
     supported: bool,
 ) -> None:
     """The common part of the rules: see [Note: flat rules]."""
@@ -135,7 +144,7 @@ def _drive(
         return
     every = len(idx) == len(grads)
     ps, gs = params if every else _pick(params, idx), [g for g in grads if g is not None]
-    kernel = select_kernel(ps, gs, fusable=fusable) if supported else Kernel.PURE
+    kernel = select_kernel(ps, gs, fused_on=fused_on) if supported else Kernel.PURE
     if kernel is Kernel.PURE:
         update_flat_(config.build(), params, grads, state)
         return
@@ -168,8 +177,26 @@ def _scalars_like(values: Sequence[Lr], ps: Tensors) -> list[Any]:
     return [v.to(p.dtype) if isinstance(v, torch.Tensor) else v for v, p in zip(values, ps)]
 
 
+def _scale_(xs: Tensors, factor: float) -> None:
+    """``x.mul_(factor)`` for each ``x``: torch's CPU foreach mul rounds a Python scalar factor to
+    a float16/bfloat16 tensor's dtype first (0.9 becomes 0.8984375), ``mul_`` does not."""
+    if any(x.dtype in _HALF_DTYPES for x in xs):
+        for x in xs:
+            x.mul_(factor)
+    else:
+        torch._foreach_mul_(xs, factor)
+
+
 def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
-    """``p -= lr * u`` with the ops of ``step_by_learning_rate``."""
+    """``p -= lr * u`` as torch.optim.SGD: ``p.add_(u, alpha=-lr)``.
+
+    torch reads a tensor lr as a Python scalar there; so do we for one on the CPU (no device
+    sync). Another goes to ``addcmul_``, as in ``step_by_learning_rate``: the same bits in float32
+    and float64, not in float16/bfloat16, where ``lr.to(p.dtype)`` rounds the lr.
+    """
+    lrs = [
+        float(lr) if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" else lr for lr in lrs
+    ]
     if all(isinstance(lr, (int, float)) for lr in lrs) and len(set(lrs)) == 1:
         torch._foreach_add_(ps, us, alpha=-float(lrs[0]))
         return
@@ -183,12 +210,32 @@ def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
 # SGD ----------------------------------------------------------------------------------------
 
 
+# [Note: SGD on CPU is foreach]
+# torch._fused_sgd_'s CPU kernel rounds its scalar tail (the last elements of a tensor, fewer than
+# a vector) otherwise than its vectorised body, so its result depends on where a tensor is cut. A
+# rank's shard cuts tensors anywhere: sharded SGD was 1e-8..1e-7 (relative, float32) off
+# torch.optim.SGD. torch's own CPU SGD (for-loop, the default, and foreach) uses per-tensor ops
+# that round every element alike. So on CPU the rule runs ``_foreach_sgd``: torch's ops in torch's
+# order (``neg``; ``add(p, alpha=wd)``; ``mul_(momentum)``, ``add_(g, alpha=1 - dampening)``;
+# ``add(buf, alpha=momentum)``; ``p.add_(u, alpha=-lr)``), bitwise equal to
+# torch.optim.SGD(foreach=False) on whole tensors and on any split in float32 and float64. In
+# float16/bfloat16 it is bitwise equal on whole tensors only: CPU ``add`` with alpha is itself
+# split-dependent there (and torch's foreach SGD differs from its for-loop, see ``_scale_``).
+# Bitwise SGD is the product's claim, worth more than the fused kernel's speed: the step takes
+# torch.optim.SGD's own time, 1.15x (2**20 float32) to 1.6x (2**24) the fused one on one thread,
+# as the ops walk memory three to five times (benchmarks/bench_flat_adam.py, sgd row). CUDA keeps
+# the fused kernel (one launch instead of up to five; its split-invariance is untested here):
+# compare it with torch.optim.SGD(fused=True).
+
+
 def update_sgd_(config: SGDConfig, params: Tensors, grads: list[Any], state: Any) -> None:
-    """The flat rule of :func:`~shardopt.core.sgd` (see [Note: flat rules])."""
+    """The flat rule of :func:`~shardopt.core.sgd` (see [Note: flat rules] and
+    [Note: SGD on CPU is foreach])."""
     damped = config.momentum != 0 and config.dampening != 0
     plain = not isinstance(config.weight_decay, torch.Tensor)
     kernels = {Kernel.FUSED: _fused_sgd, Kernel.FOREACH: _foreach_sgd}
-    _drive(config, params, grads, state, kernels, fusable=not damped, supported=plain)
+    fused_on = frozenset() if damped else _SGD_FUSED_DEVICES
+    _drive(config, params, grads, state, kernels, fused_on=fused_on, supported=plain)
 
 
 def _fused_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
@@ -215,7 +262,7 @@ def _foreach_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: 
     gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
     if config.momentum != 0:
         bufs, counts = lists["momentum"], lists["count"]
-        torch._foreach_mul_(bufs, config.momentum)
+        _scale_(bufs, config.momentum)
         torch._foreach_add_(bufs, gs, alpha=1 - config.dampening)
         if config.dampening != 0:
             for buf, g, n in zip(bufs, gs, counts):
@@ -227,12 +274,20 @@ def _foreach_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: 
 
 # Adam and AdamW ------------------------------------------------------------------------------
 
+# [Note: fused Adam on CPU depends on the split]
+# ``torch._fused_adam_`` / ``_fused_adamw_`` on CPU are split-dependent too: a tensor stepped whole
+# or cut at random offsets differs by an ulp in a few elements (5 steps, any of amsgrad, maximize,
+# weight decay: 14-18% of float32 splits, up to 4.5e-8 relative; float64 3-11%, up to 4e-17).
+# ``torch._fused_adagrad_`` showed no difference in float32 and float64 (it did in float16 and
+# bfloat16, like the foreach ops). The rules keep these kernels: Adam, AdamW and Adagrad are held
+# to float32 tolerances against torch.optim, which a sharded step meets.
+
 
 def update_adam_(config: AdamConfig, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
     plain = not any(isinstance(x, torch.Tensor) for x in (*config.betas, config.weight_decay))
     kernels = {Kernel.FUSED: _fused_adam, Kernel.FOREACH: _foreach_adam}
-    _drive(config, params, grads, state, kernels, fusable=True, supported=plain)
+    _drive(config, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
 def _fused_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
@@ -288,7 +343,7 @@ def update_adagrad_(config: AdagradConfig, params: Tensors, grads: list[Any], st
     """The flat rule of :func:`~shardopt.core.adagrad` (see [Note: flat rules])."""
     plain = not isinstance(config.weight_decay, torch.Tensor)
     kernels = {Kernel.FUSED: _fused_adagrad, Kernel.FOREACH: _foreach_adagrad}
-    _drive(config, params, grads, state, kernels, fusable=True, supported=plain)
+    _drive(config, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
 def _fused_adagrad(

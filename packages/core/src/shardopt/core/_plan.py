@@ -283,14 +283,23 @@ class Plan:
         return cls(**plan_fields(json.loads(text)))
 
     def fingerprint(self) -> int:
-        """A 63-bit hash of :meth:`to_json`, equal in every process (for cross-rank checks).
+        """A 63-bit hash of :meth:`to_json` with devices by type, equal in every process.
+
+        For cross-rank checks: rank r legitimately holds its parameters on ``cuda:r``, so device
+        indices are dropped (``cuda:1`` hashes as ``cuda``); :meth:`to_dict` keeps them.
 
         Example:
-            >>> a = plan_partition([((3, 2), "float32")], 2)
-            >>> a.fingerprint() == plan_partition([((3, 2), "float32")], 2).fingerprint()
+            >>> a = plan_partition([((3, 2), "float32", "cuda:0")], 2)
+            >>> a.fingerprint() == plan_partition([((3, 2), "float32", "cuda:1")], 2).fingerprint()
             True
+            >>> a.fingerprint() == plan_partition([((3, 2), "float32", "cpu")], 2).fingerprint()
+            False
         """
-        digest = hashlib.blake2b(self.to_json().encode(), digest_size=8).digest()
+        data = self.to_dict()
+        for record in (*data["tensors"], *data["groups"]):
+            record["device"] = record["device"].split(":")[0]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") >> 1
 
 

@@ -174,7 +174,9 @@ def sgd(
 
     Same hyperparameters, defaults and validation as torch. ``lr`` may be a float, a 0-d tensor
     or a schedule of the per-parameter count (see [Note: schedule counts]). Registers the flat
-    in-place fast path (``torch._fused_sgd_``) for :func:`~shardopt.core.update_flat_`.
+    in-place fast path for :func:`~shardopt.core.update_flat_`: torch's foreach ops on CPU,
+    bitwise equal to ``torch.optim.SGD`` on any split of a tensor, ``torch._fused_sgd_`` on
+    CUDA (see [Note: SGD on CPU is foreach]).
 
     Example:
         >>> import torch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +18,10 @@ __all__ = ["agree_across_ranks", "check_grads", "check_params", "fingerprint"]
 # the process group times out. So every check whose outcome may differ between ranks is settled
 # before the first data collective: ``init`` runs the local checks, then all-gathers one small
 # int64 row per rank ``[error flag, fingerprint]``. The fingerprint hashes everything that must be
-# equal on all ranks: the plan (device indices dropped: rank r legitimately uses cuda:r), the
-# sharding options and the structure of the optimizer state. Then every rank raises the same
-# kind of ValueError if any rank failed a local check or any fingerprint differs; none proceeds.
+# equal on all ranks: the plan (``Plan.fingerprint``, which drops device indices: rank r
+# legitimately uses cuda:r), the sharding options and the structure of the optimizer state.
+# Then every rank raises the same kind of ValueError if any rank failed a local check or any
+# fingerprint differs; none proceeds.
 # Gradients are only seen in ``step``; their checks are local (see [Note: gradient checks]).
 
 
@@ -85,15 +85,8 @@ def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     return None
 
 
-def _normalized_plan(plan: Plan) -> dict[str, Any]:
-    data = plan.to_dict()
-    for record in (*data["tensors"], *data["groups"]):
-        record["device"] = str(record["device"]).split(":")[0]
-    return data
-
-
 def fingerprint(plan: Plan, extra: Any) -> int:
-    """A 63-bit hash of ``plan`` (device indices dropped) and of ``repr(extra)``.
+    """A 63-bit hash of ``plan.fingerprint()`` (device indices dropped) and of ``repr(extra)``.
 
     Example:
         >>> from shardopt.core import plan_partition
@@ -102,7 +95,7 @@ def fingerprint(plan: Plan, extra: Any) -> int:
         >>> fingerprint(a, "x") == fingerprint(b, "x") != fingerprint(a, "y")
         True
     """
-    text = json.dumps([_normalized_plan(plan), repr(extra)], sort_keys=True)
+    text = f"{plan.fingerprint()}:{extra!r}"
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
