@@ -21,11 +21,11 @@ FlatRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
 # function ``rule(params, grads, state)`` that performs exactly the update of ``tx.update`` +
 # ``apply_updates``, but in place, on the lists ``params``/``grads`` and on the tensors of
 # ``state = tx.init(params)``, through torch's fused kernels where they exist for the device
-# (``torch._fused_adam_`` and friends) and foreach kernels otherwise (SGD on CPU is foreach: see [Note: SGD on CPU is foreach] in
-# _fused.py). A ``None`` gradient skips
-# its parameter (no state change), as in the pure path. Rules are keyed by the identity of
-# ``tx.update`` (a NamedTuple cannot carry attributes); a transformation without a rule still
-# works through :func:`update_flat_`, which falls back to the pure path and copies back.
+# (``torch._fused_adam_`` and friends) and foreach kernels otherwise (SGD on CPU is foreach: see
+# [Note: SGD on CPU is foreach] in _fused.py). A ``None`` gradient skips its parameter (no state
+# change), as in the pure path. Rules are keyed by the identity of ``tx.update`` (a NamedTuple
+# cannot carry attributes); a transformation without a rule still works through
+# :func:`update_flat_`, which falls back to the pure path and copies back.
 _RULES: weakref.WeakKeyDictionary[Callable[..., Any], FlatRule] = weakref.WeakKeyDictionary()
 
 
