@@ -1,0 +1,229 @@
+"""What checkpoints call the fields of a sharded state: torch.optim's keys, and piece accessors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardopt.core import (
+    ScaleByAdadeltaState,
+    ScaleByAdagradState,
+    ScaleByAdamaxState,
+    ScaleByAdamState,
+    ScaleByNadamState,
+    ScaleByRadamState,
+    ScaleByRmsState,
+    ScaleByRpropState,
+    TraceState,
+)
+from shardopt.functional._layout import FlatLayout
+from shardopt.functional._state import FieldKind, ShardedState, StateField
+
+__all__ = [
+    "STATE_KEYS",
+    "FieldKeys",
+    "OptimizerKeys",
+    "field_keys",
+    "has_state",
+    "outside_tensors",
+    "piece_slots",
+    "piece_value",
+    "sanitised_key",
+]
+
+
+class OptimizerKeys(NamedTuple):
+    """The torch.optim state keys of a core state type, in torch's order.
+
+    ``keys``: (NamedTuple field, key, whether torch.optim keeps it); ``eager``: torch.optim
+    creates the state of every parameter at construction, not at its first gradient.
+    """
+
+    keys: tuple[tuple[str, str, bool], ...]
+    eager: bool = False
+
+
+# [Note: torch state keys]
+# The one table from core state fields to torch.optim's per-parameter state keys. Order is
+# torch's (the consolidated dict lists keys as ``torch.optim.<Class>.state_dict()`` does).
+# torch.optim.SGD keeps no step count: ``count`` of TraceState is saved under "step" in the
+# sharded and DCP forms but left out of the torch form (and set to 1 for parameters that have a
+# momentum buffer when a torch dict is loaded: torch creates it at the first step). A field that
+# is None in the state (no ``nu_max`` without amsgrad, no ``grad_avg`` unless centered) is
+# simply absent, as in torch. Adagrad's state exists for every parameter from the start.
+_STEP = ("count", "step", True)
+STATE_KEYS: dict[type, OptimizerKeys] = {
+    TraceState: OptimizerKeys((("count", "step", False), ("momentum", "momentum_buffer", True))),
+    ScaleByAdamState: OptimizerKeys(
+        (
+            _STEP,
+            ("mu", "exp_avg", True),
+            ("nu", "exp_avg_sq", True),
+            ("nu_max", "max_exp_avg_sq", True),
+        )
+    ),
+    ScaleByAdagradState: OptimizerKeys((_STEP, ("sum", "sum", True)), eager=True),
+    ScaleByAdadeltaState: OptimizerKeys(
+        (_STEP, ("square_avg", "square_avg", True), ("acc_delta", "acc_delta", True))
+    ),
+    ScaleByAdamaxState: OptimizerKeys(
+        (_STEP, ("exp_avg", "exp_avg", True), ("exp_inf", "exp_inf", True))
+    ),
+    ScaleByNadamState: OptimizerKeys(
+        (
+            _STEP,
+            ("mu_product", "mu_product", True),
+            ("exp_avg", "exp_avg", True),
+            ("exp_avg_sq", "exp_avg_sq", True),
+        )
+    ),
+    ScaleByRadamState: OptimizerKeys(
+        (_STEP, ("exp_avg", "exp_avg", True), ("exp_avg_sq", "exp_avg_sq", True))
+    ),
+    ScaleByRmsState: OptimizerKeys(
+        (
+            _STEP,
+            ("square_avg", "square_avg", True),
+            ("momentum", "momentum_buffer", True),
+            ("grad_avg", "grad_avg", True),
+        )
+    ),
+    ScaleByRpropState: OptimizerKeys(
+        (_STEP, ("prev", "prev", True), ("step_size", "step_size", True))
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldKeys:
+    """The checkpoint key of every field of a state, in save order.
+
+    ``entries``: (field, key, in_torch) where ``key`` is torch's key for a core optimizer's state
+    (see [Note: torch state keys]) and the field's sanitised path otherwise; ``count``: the field
+    deciding whether a parameter has state yet (None: every parameter has); ``eager``: every
+    parameter has state (Adagrad).
+    """
+
+    entries: tuple[tuple[StateField, str, bool], ...]
+    count: StateField | None
+    eager: bool
+
+    def __post_init__(self) -> None:
+        keys = [key for _, key, _ in self.entries]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"FieldKeys: expected distinct keys, got {keys}")
+
+
+def _known_states(inner: Any) -> list[tuple[str, Any]]:
+    leaves, _ = pytree.tree_flatten_with_path(inner, is_leaf=lambda x: type(x) in STATE_KEYS)
+    return [(pytree.keystr(p), x) for p, x in leaves if type(x) in STATE_KEYS]
+
+
+def sanitised_key(path: str) -> str:
+    """A pytree path as a checkpoint key: runs of other characters than ``[0-9A-Za-z_]`` become
+    one ``_``.
+
+    Example:
+        >>> sanitised_key("[1].mu"), sanitised_key("[0]['scale'].count")
+        ('1_mu', '0_scale_count')
+    """
+    return re.sub(r"[^0-9A-Za-z_]+", "_", path).strip("_") or "state"
+
+
+def field_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> FieldKeys:
+    """The keys of ``state.fields``: torch's where the state is one core optimizer's.
+
+    With ``torch_only``, a state that torch.optim cannot represent raises ValueError naming
+    ``api``; otherwise its fields are keyed by :func:`sanitised_key` of their paths and every
+    parameter counts as having state (a count of its own says nothing about the rest: the
+    gradients ``multi_steps`` accumulates before the first inner step, say).
+    """
+    by_path = {f.path: f for f in state.fields}
+    known = _known_states(state.inner)
+    if len(known) == 1:
+        prefix, value = known[0]
+        spec = STATE_KEYS[type(value)]
+        entries = []
+        for name, key, in_torch in spec.keys:
+            field = by_path.pop(f"{prefix}.{name}", None)
+            if field is not None:
+                entries.append((field, key, in_torch))
+        if not by_path and not outside_tensors(state):
+            count = next((f for f, key, _ in entries if key == "step"), None)
+            return FieldKeys(tuple(entries), count, spec.eager)
+    if torch_only and (state.fields or outside_tensors(state)):
+        names = sorted({type(x).__name__ for _, x in known}) or "none"
+        raise ValueError(
+            f"{api}: expected the state of one of the core optimizers "
+            f"({', '.join(t.__name__ for t in STATE_KEYS)}) and nothing else, got fields "
+            f"{[f.path for f in state.fields]} with core states {names}"
+        )
+    entries = [(f, sanitised_key(f.path), False) for f in state.fields]
+    return FieldKeys(tuple(entries), None, False)
+
+
+def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]:
+    """The tensors of ``state.inner`` outside its fields, by path, each with whether it is
+    replicated (a plain leaf, the same on every rank) rather than one of a per-piece list."""
+    n = len(state.layout.pieces)
+    paths = {f.path for f in state.fields}
+
+    def is_field(x: Any) -> bool:
+        return type(x) is list and len(x) == n and all(isinstance(e, torch.Tensor) for e in x)
+
+    out = []
+    for path, leaf in pytree.tree_flatten_with_path(state.inner, is_leaf=is_field)[0]:
+        key = pytree.keystr(path)
+        if key in paths:
+            continue
+        if isinstance(leaf, torch.Tensor):
+            out.append((key, leaf, True))
+        elif is_field(leaf):
+            out.extend((f"{key}[{i}]", t, False) for i, t in enumerate(leaf))
+    return out
+
+
+def piece_slots(layout: FlatLayout) -> list[int]:
+    """For each piece of ``layout``, its index among the pieces of its group (PER_PIECE slot)."""
+    counts = [0] * len(layout.plan.groups)
+    out = []
+    for piece in layout.pieces:
+        out.append(counts[piece.group])
+        counts[piece.group] += 1
+    return out
+
+
+def piece_value(
+    field: StateField, layout: FlatLayout, k: int, slots: Sequence[int]
+) -> torch.Tensor:
+    """The value of ``field`` for piece ``k``: a 1-D view (ELEMENTWISE) or a 0-d view.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import plan_partition
+        >>> from shardopt.functional._layout import build_layout
+        >>> params = [torch.ones(3), torch.ones(2)]
+        >>> layout = build_layout(plan_partition(params, 1, align=1), params, 0, None)
+        >>> mu = StateField("[0].mu", FieldKind.ELEMENTWISE, (torch.arange(5.0),))
+        >>> piece_value(mu, layout, 1, piece_slots(layout))
+        tensor([3., 4.])
+    """
+    piece = layout.pieces[k]
+    buf = field.buffers[piece.group]
+    if field.kind is FieldKind.ELEMENTWISE:
+        return buf[piece.offset : piece.offset + piece.numel]
+    return buf[slots[k]]
+
+
+def has_state(keys: FieldKeys, count: torch.Tensor | float | None) -> bool:
+    """Whether a parameter whose count is ``count`` has a state entry (torch: once stepped)."""
+    if not keys.entries:  # a stateless transformation: torch.optim.SGD without momentum
+        return False
+    if keys.eager or keys.count is None or count is None:
+        return True
+    return float(count) > 0

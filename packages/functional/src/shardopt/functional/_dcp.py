@@ -1,0 +1,315 @@
+"""torch.distributed.checkpoint save and load of a sharded state: resharding, written atomically."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shardopt.core import Piece, Plan
+from shardopt.functional._checkpoint_keys import (
+    FieldKeys,
+    field_keys,
+    has_state,
+    outside_tensors,
+    piece_slots,
+    piece_value,
+    sanitised_key,
+)
+from shardopt.functional._collectives import ProcessGroup, comm_device
+from shardopt.functional._dcp_pieces import LocalBoxes, boxes
+from shardopt.functional._state import FieldKind, ShardedState
+from shardopt.functional._torch_format import Hyperparams, param_group_dicts, param_keys
+from shardopt.functional._validate import agree_across_ranks, fingerprint
+
+__all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
+
+OPTIM_KEY = "optim"
+
+# [Note: atomic checkpoints]
+# DCP writes a directory file by file, its ``.metadata`` last (on the coordinator, once every
+# rank's writes are done). A crash mid-way would leave a directory that looks like a checkpoint
+# at ``path``. So every rank writes into ``<path>.tmp-<token>`` (``token`` drawn on rank 0 and
+# broadcast as a tensor), and only after ``dcp.save`` returned everywhere and a barrier does rank
+# 0 rename it to ``path`` (an existing checkpoint, with ``overwrite``, is first renamed aside and
+# removed after). A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP
+# gathers the results); rank 0 then removes the temporary directory, so ``path`` is untouched.
+# Rank 0 broadcasts whether the rename succeeded, so every rank returns or raises alike.
+
+
+def _piece_tensor(shape: tuple[int, ...], piece: Piece, flat: torch.Tensor) -> torch.Tensor:
+    """The piece's values (``flat``: its run of elements) as a full-shape checkpoint tensor."""
+    if piece.numel == math.prod(shape):
+        return flat.view(shape)
+    parts = [
+        (o, flat[f - piece.start : f - piece.start + math.prod(s)].view(s))
+        for o, s, f in boxes(shape, piece.start, piece.stop)
+    ]
+    return LocalBoxes(shape, parts)
+
+
+def _optim_dict(
+    state: ShardedState,
+    keys: FieldKeys,
+    names: Sequence[str],
+    present: Callable[[int, int], bool],
+    masters: Callable[[int], bool],
+) -> dict[str, Any]:
+    """This rank's DCP dict: ``{"state": {name: {key: tensor}}, "master_weights": {name:
+    tensor}, "replicated": {path: tensor}}`` for the tensors ``present(t, k)`` says."""
+    layout, plan = state.layout, state.layout.plan
+    slots = piece_slots(layout)
+    entries: dict[str, dict[str, torch.Tensor]] = {}
+    master_weights: dict[str, torch.Tensor] = {}
+    for k, piece in enumerate(layout.pieces):
+        t, shape = piece.tensor, plan.tensors[piece.tensor].shape
+        master = state.master[piece.group]
+        if master is not None and masters(t):
+            flat = master[piece.offset : piece.offset + piece.numel]
+            master_weights[names[t]] = _piece_tensor(shape, piece, flat)
+        if not present(t, k):
+            continue
+        entry = entries.setdefault(names[t], {})
+        for field, key, _ in keys.entries:
+            if field.kind is FieldKind.PER_PIECE:
+                entry[key] = piece_value(field, layout, k, slots)
+            else:
+                entry[key] = _piece_tensor(shape, piece, piece_value(field, layout, k, slots))
+    replicated = {sanitised_key(path): x for path, x, _ in outside_tensors(state)}
+    return {"state": entries, "master_weights": master_weights, "replicated": replicated}
+
+
+def _common_checks(state: ShardedState, extra: Any) -> str | None:
+    per_piece = [path for path, _, replicated in outside_tensors(state) if not replicated]
+    if per_piece:
+        return f"every per-parameter tensor of the state in a field, got others at {per_piece}"
+    if extra is not None and (not isinstance(extra, Mapping) or OPTIM_KEY in extra):
+        return f"extra to be a mapping without the key {OPTIM_KEY!r}, got {type(extra).__name__}"
+    return None
+
+
+def _shared_token(group: ProcessGroup) -> int:
+    """A random 62-bit number drawn on rank 0 of ``group`` and broadcast (the same everywhere)."""
+    token = torch.tensor([uuid.uuid4().int >> 66], dtype=torch.int64, device=comm_device(group))
+    dist.broadcast(token, group_src=0, group=group)
+    return int(token.item())
+
+
+def _agree_on_rank0(api: str, error: BaseException | None, group: ProcessGroup) -> None:
+    """Rank 0 says whether ``error`` happened; every rank raises if so."""
+    flag = torch.tensor([0 if error is None else 1], device=comm_device(group))
+    dist.broadcast(flag, group_src=0, group=group)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise RuntimeError(f"{api}: rank 0 failed to move the checkpoint into place")
+
+
+def _publish(tmp: str, target: str, token: int) -> None:
+    old = None
+    if os.path.lexists(target):
+        old = f"{target}.old-{token:016x}"
+        os.rename(target, old)
+    os.rename(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    state: ShardedState,
+    path: str | os.PathLike[str],
+    *,
+    names: Sequence[str] | None = None,
+    param_groups: Hyperparams = None,
+    extra: Mapping[str, Any] | None = None,
+    group: ProcessGroup = None,
+    overwrite: bool = False,
+    writer: Callable[[str], StorageWriter] | None = None,
+) -> None:
+    """Saves the optimizer state with ``torch.distributed.checkpoint``, atomically, at ``path``.
+
+    Every rank of ``group`` calls it. The state goes under ``optim.state.<name>.<key>`` at each
+    parameter's full shape, with torch.optim's keys for the core optimizers (see
+    [Note: checkpoint formats], [Note: DCP pieces]); only parameters with state are saved, as
+    in torch. :func:`load_checkpoint` reads it at any world size and plan.
+
+    Args:
+        state: this rank's sharded state (any core transformation).
+        path: the checkpoint directory; it appears only once complete
+            (see [Note: atomic checkpoints]).
+        names: one name per plan tensor (e.g. ``[n for n, _ in model.named_parameters()]``);
+            None: the indices ``"0"``, ``"1"``, ...
+        param_groups: hyperparameters recorded in ``optim.param_groups`` (as in
+            :func:`consolidate_state_dict`); not needed to load.
+        extra: more DCP state (e.g. ``{"model": model.state_dict()}``) saved alongside.
+        group: the process group of the sharded optimizer.
+        overwrite: replace an existing checkpoint at ``path`` (else it is an error).
+        writer: makes the storage writer for a directory (default ``FileSystemWriter``).
+
+    Example:
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> from shardopt.core import adam, plan_partition
+        >>> from shardopt.functional import shard
+        >>> tmp = tempfile.mkdtemp()
+        >>> store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> params = [torch.ones(3), torch.ones(2)]
+        >>> sharded = shard(adam(0.1), plan_partition(params, 1))
+        >>> state = sharded.step(params, [torch.ones(3), None], sharded.init(params))
+        >>> save_checkpoint(state, os.path.join(tmp, "ckpt"), names=["w", "b"])
+        >>> fresh = sharded.init([torch.ones(3), torch.ones(2)])
+        >>> load_checkpoint(fresh, os.path.join(tmp, "ckpt"), names=["w", "b"])
+        >>> fresh.inner[0].count
+        [tensor(1.), tensor(0.)]
+        >>> dist.destroy_process_group()
+    """
+    api = "save_checkpoint"
+    plan, rank = state.layout.plan, dist.get_rank(group)
+    keys = field_keys(state, api)
+    key_of = [str(k) for k in param_keys(api, plan, names)]
+    groups = param_group_dicts(api, plan, param_groups, key_of)
+    target = os.path.abspath(os.fspath(path))
+    error = _common_checks(state, extra)
+    if error is None and rank == 0 and os.path.lexists(target) and not overwrite:
+        error = f"a path that does not exist (or overwrite=True), got {target!r}"
+    agree_across_ranks(api, error, fingerprint(plan, (target, key_of)), group)
+    token = _shared_token(group)
+    tmp = f"{target}.tmp-{token:016x}"
+    slots = piece_slots(state.layout)
+
+    def present(t: int, k: int) -> bool:
+        count = keys.count
+        return has_state(
+            keys, None if count is None else piece_value(count, state.layout, k, slots)
+        )
+
+    optim = _optim_dict(state, keys, key_of, present, lambda t: True)
+    sd = {OPTIM_KEY: {**optim, "param_groups": groups}, **(extra or {})}
+    try:
+        dcp.save(sd, storage_writer=(writer or FileSystemWriter)(tmp), process_group=group)
+    except dcp.CheckpointException:  # raised on every rank alike: clean up, then all return
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=group)
+        raise
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier(group=group)
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            _publish(tmp, target, token)
+        except OSError as exc:
+            failure = exc
+    _agree_on_rank0(api, failure, group)
+
+
+def _check_metadata(
+    api: str, state: ShardedState, keys: FieldKeys, names: Sequence[str], md: Any
+) -> tuple[str | None, list[bool], list[bool]]:
+    """(the first problem of the checkpoint for ``state``, whether each tensor has state in it,
+    whether it has master weights); the same on every rank (plan and file are)."""
+    plan: Plan = state.layout.plan
+    saved = md.state_dict_metadata
+    prefix = f"{OPTIM_KEY}.state."
+    expected = {f"{prefix}{n}.{key}" for n in names for _, key, _ in keys.entries}
+    unknown = sorted(k for k in saved if k.startswith(prefix) and k not in expected)
+    if unknown:
+        return f"state keys among those of this optimizer and plan, got {unknown[:4]}", [], []
+    present, masters = [], []
+    for t, spec in enumerate(plan.tensors):
+        base = f"{prefix}{names[t]}."
+        have = [key for _, key, _ in keys.entries if base + key in saved]
+        present.append(bool(have) and spec.numel > 0)
+        masters.append(f"{OPTIM_KEY}.master_weights.{names[t]}" in saved)
+        if have and len(have) != len(keys.entries):
+            want = [key for _, key, _ in keys.entries]
+            return f"keys {want} for parameter {names[t]!r}, got {have}", [], []
+        for field, key, _ in keys.entries if have else ():
+            shape = torch.Size(() if field.kind is FieldKind.PER_PIECE else spec.shape)
+            item = saved[base + key]
+            if not isinstance(item, TensorStorageMetadata) or item.size != shape:
+                got = getattr(item, "size", type(item).__name__)
+                return f"{base + key} of shape {tuple(shape)}, got {got}", [], []
+    for path, _, _ in outside_tensors(state):
+        if f"{OPTIM_KEY}.replicated.{sanitised_key(path)}" not in saved:
+            return f"the replicated state {path} in the checkpoint, got none", [], []
+    return None, present, masters
+
+
+def load_checkpoint(
+    state: ShardedState,
+    path: str | os.PathLike[str],
+    *,
+    names: Sequence[str] | None = None,
+    extra: MutableMapping[str, Any] | None = None,
+    group: ProcessGroup = None,
+) -> None:
+    """Loads a :func:`save_checkpoint` directory into ``state`` in place, at any world size or plan.
+
+    Every rank of ``group`` calls it; each reads only the boxes of its own pieces (DCP reshards
+    by overlap). Parameters without state in the checkpoint keep theirs, which must be fresh
+    (count 0). Master weights come from the checkpoint, or else from the current parameters
+    (load the model first). ``extra`` (e.g. ``{"model": model.state_dict()}``) is loaded in
+    place too. Everything is checked against the checkpoint's metadata on every rank before
+    any data is read, and every rank raises the same error on a mismatch.
+
+    Example:
+        see :func:`save_checkpoint`.
+    """
+    api = "load_checkpoint"
+    layout, plan = state.layout, state.layout.plan
+    keys = field_keys(state, api)
+    key_of = [str(k) for k in param_keys(api, plan, names)]
+    source = os.path.abspath(os.fspath(path))
+    error = _common_checks(state, extra)
+    present: list[bool] = []
+    masters: list[bool] = []
+    if error is None:
+        try:
+            md = FileSystemReader(source).read_metadata()
+        except (OSError, ValueError, RuntimeError) as exc:
+            md, error = None, f"a readable checkpoint at {source!r}, got {type(exc).__name__}"
+        if md is not None:
+            error, present, masters = _check_metadata(api, state, keys, key_of, md)
+    if error is None:
+        error = _fresh_where_absent(state, keys, key_of, present)
+    agree_across_ranks(api, error, fingerprint(plan, (source, key_of)), group)
+    optim = _optim_dict(state, keys, key_of, lambda t, k: present[t], masters.__getitem__)
+    sd = {OPTIM_KEY: optim, **(extra or {})}
+    dcp.load(sd, storage_reader=FileSystemReader(source), process_group=group)
+    if extra is not None:
+        extra.update({k: sd[k] for k in extra})
+    with torch.no_grad():
+        for piece in layout.pieces:
+            master = state.master[piece.group]
+            if master is not None and not masters[piece.tensor]:
+                span = slice(piece.offset, piece.offset + piece.numel)
+                master[span].copy_(layout.shard(piece.group)[span])
+
+
+def _fresh_where_absent(
+    state: ShardedState, keys: FieldKeys, names: Sequence[str], present: Sequence[bool]
+) -> str | None:
+    if keys.count is None:
+        return None
+    slots = piece_slots(state.layout)
+    for k, piece in enumerate(state.layout.pieces):
+        count = piece_value(keys.count, state.layout, k, slots).item()
+        if not present[piece.tensor] and count != 0:
+            return (
+                f"state in the checkpoint for parameter {names[piece.tensor]!r}, whose state "
+                f"here has count {count:g} (load into a fresh state)"
+            )
+    return None

@@ -1,0 +1,131 @@
+"""Full-shape tensors of which this rank holds some boxes, for torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["Box", "LocalBoxes", "boxes"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start)
+
+# [Note: DCP pieces]
+# DCP stores a tensor as chunks: boxes (offsets and sizes per dimension) that the ranks write and
+# that any later layout reads back by overlap, which is how it reshards. Our pieces are runs
+# ``[start, stop)`` of a parameter's flattened elements, not boxes, and rank boundaries fall
+# anywhere (flat plans, alignment, greedy gaps), so neither DTensor's ``Shard(0)`` (chunks of
+# ``torch.chunk`` sizes) nor a flat per-group tensor fits. But a run of a row-major tensor is
+# exactly a few boxes (at most ``2 * ndim - 1``: a partial row, full rows, a partial row, each
+# split again one dimension down), and each box is a contiguous view of the piece. So the state
+# of a parameter is saved at its own full shape, keyed by name like torch's FQN optimizer state
+# dicts, every rank writing the boxes of its pieces. DCP takes such objects through its
+# ``_Checkpointable`` protocol (the hook DTensor uses): ``__create_write_items__``,
+# ``__create_chunk_list__`` and ``__get_tensor_shard__``; LocalBoxes implements it as a tensor
+# subclass without storage (the default planners look tensors up by ``isinstance``), whose only
+# use is DCP: any operation on it raises. A parameter held whole by a rank is saved as a plain
+# tensor view instead, and replicated values (the per-parameter counts) as plain 0-d views,
+# which DCP de-duplicates across ranks.
+
+
+def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The boxes covering elements ``[start, stop)`` of a row-major tensor of ``shape``, in order.
+
+    Example:
+        >>> [(o, s) for o, s, _ in boxes((3, 4), 2, 11)]
+        [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+        >>> boxes((2, 3), 0, 6), boxes((), 0, 1)
+        ([((0, 0), (2, 3), 0)], [((), (), 0)])
+    """
+    if start >= stop:
+        return []
+    if len(shape) == 0:
+        return [((), (), 0)]
+    if len(shape) == 1:
+        return [((start,), (stop - start,), start)]
+    inner = math.prod(shape[1:])
+
+    def in_row(row: int, a: int, b: int) -> list[Box]:
+        sub = boxes(shape[1:], a, b)
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in sub]
+
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        return in_row(first, start - first * inner, stop - first * inner)
+    out: list[Box] = []
+    lo = start
+    if start % inner:
+        out += in_row(first, start % inner, inner)
+        lo = (first + 1) * inner
+    hi = stop // inner * inner
+    if hi > lo:
+        zeros = (0,) * (len(shape) - 1)
+        out.append(((lo // inner, *zeros), ((hi - lo) // inner, *shape[1:]), lo))
+    if stop > hi:
+        out += in_row(hi // inner, 0, stop - hi)
+    return out
+
+
+class LocalBoxes(torch.Tensor):
+    """A tensor of ``shape`` of which this rank holds ``views`` at ``offsets`` (DCP only).
+
+    See [Note: DCP pieces]. ``parts`` are ``(offsets, view)`` with ``view`` a tensor of the box's
+    sizes (a view into the flat storage, so that DCP reads and writes in place).
+    """
+
+    _parts: tuple[tuple[torch.Size, torch.Tensor], ...]
+
+    @staticmethod
+    def __new__(
+        cls, shape: Sequence[int], parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+    ) -> LocalBoxes:
+        if not parts:
+            raise ValueError("LocalBoxes: expected at least one part, got none")
+        like = parts[0][1]
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(shape), dtype=like.dtype, device=like.device, requires_grad=False
+        )
+        out._parts = tuple((torch.Size(o), v) for o, v in parts)
+        return out
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets, view.size()),
+                    properties=props,
+                    size=self.size(),
+                ),
+            )
+            for offsets, view in self._parts
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, view.size()) for offsets, view in self._parts]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, view in self._parts:
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"LocalBoxes: no box at offset {index.offset} of {index.fqn}")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        raise RuntimeError(
+            f"LocalBoxes: a checkpoint-only tensor (torch.distributed.checkpoint reads and "
+            f"writes its boxes); got the operation {func}"
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"LocalBoxes(shape={tuple(self.shape)}, boxes={len(self._parts)})"
