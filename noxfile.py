@@ -56,8 +56,9 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against torch baselines measured in the same run (ratios printed)."""
     _install(session)
-    session.run("python", "benchmarks/bench_flat_adam.py", *session.posargs)
+    session.run("python", "benchmarks/bench_flat_adam.py")
     session.run("python", "benchmarks/bench_plan.py")
+    session.run("shardopt", "bench", *session.posargs, env=THREAD_ENV)
 
 
 @nox.session

@@ -189,7 +189,7 @@ def zero_redundancy_optimizer_class() -> type[Any]:
     ``filterwarnings = error`` can use it.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*torch.jit.script.*", DeprecationWarning)
+        warnings.filterwarnings("ignore", r".*torch\.jit\.", DeprecationWarning)
         from torch.distributed.optim import ZeroRedundancyOptimizer
     return ZeroRedundancyOptimizer
 

@@ -1,9 +1,50 @@
-"""The shardopt command line."""
+"""The ``shardopt`` command line: ``plan``, ``demo`` and ``bench``."""
 
+from __future__ import annotations
+
+import argparse
+import os
 import sys
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand (their heavy imports wait until they run)."""
+    from shardopt.testing._bench_cli import add_bench_parser
+    from shardopt.testing._demo_cli import add_demo_parser
+    from shardopt.testing._plan_cli import add_plan_parser
+
+    parser = argparse.ArgumentParser(
+        prog="shardopt", description="shardopt: sharded optimizers for torch.distributed."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_demo_parser(commands)
+    add_bench_parser(commands)
+    add_plan_parser(commands)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``shardopt`` command."""
-    print("shardopt: no commands yet", file=sys.stderr)
-    return 2
+    """Entry point of the ``shardopt`` command; returns the exit status.
+
+    Bad input (a ValueError) is reported on one line, with status 2; a failed or timed out
+    rank with its traceback, status 1.
+
+    Example:
+        >>> main(["plan", "mlp-12x1024", "-w", "0"])
+        2
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValueError as exc:
+        print(f"shardopt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"shardopt {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader left (`shardopt plan ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -1,0 +1,12 @@
+"""``python -m shardopt.demo`` (or under torchrun): the shardopt demo, as ``shardopt demo``."""
+
+from __future__ import annotations
+
+import sys
+
+from shardopt.testing._demo_cli import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

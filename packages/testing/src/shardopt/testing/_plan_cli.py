@@ -1,0 +1,257 @@
+"""``shardopt plan``: per-rank memory and traffic of DDP and shardopt stages, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardopt.functional import DEFAULT_BUCKET_NUMEL
+from shardopt.testing._plan_cli_cost import ParamSpec, Prediction, Setup, predict
+from shardopt.testing._plan_cli_source import load_params
+
+__all__ = ["add_plan_parser", "format_bytes", "plan_report", "render_table", "run_plan"]
+
+MAX_WORLD_SIZE = 4096
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_ASSUMPTIONS = (
+    "optimizer: Adam/AdamW, 2 moments + a float32 step per tensor; frozen params: replicated",
+    "bytes: tensors each rank holds between steps, max over ranks (activations not counted)",
+    "DDP: torch.optim.AdamW, gradient_as_bucket_view=True (no second gradient copy)",
+    "stage 1: DDP all-reduce of the gradients + all-gather of the flat parameter buffers",
+    "stage 2: reduce-scatter of the flat gradient buffers + all-gather of the parameters",
+    "shardopt's calls: {calls}",
+    "sent = received per rank per step, ring algorithms: all-reduce 2(W-1)/W of the buffer, "
+    "reduce-scatter and all-gather (W-1)/W",
+)
+_CALLS = {
+    "collective": "one all-gather / reduce-scatter per chunk of --bucket-numel elements per rank "
+    "(--algorithm collective)",
+    "rooted": "one broadcast / reduce per rank and chunk (--algorithm rooted: shard()'s choice for "
+    "CPU tensors on gloo)",
+}
+_COLUMNS = ("params", "grads", "optimizer", "master", "buffers", "total")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes with a binary unit, 3 significant digits or so.
+
+    Example:
+        >>> format_bytes(0), format_bytes(1536), format_bytes(6 * 2**30)
+        ('0', '1.50 KiB', '6.00 GiB')
+    """
+    if n == 0:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _setups(stages: Sequence[int], strategies: Sequence[str]) -> list[tuple[Setup, str]]:
+    out = []
+    for stage in stages:
+        if stage == 0:
+            out.append((Setup.DDP, "flat"))
+        else:
+            out.extend((Setup(stage), s) for s in strategies)
+    return out
+
+
+def plan_report(
+    params: Sequence[ParamSpec],
+    world_sizes: Sequence[int],
+    *,
+    stages: Sequence[int] = (0, 1, 2),
+    strategies: Sequence[str] = ("flat", "greedy"),
+    master_dtype: torch.dtype | None = None,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+    algorithm: str = "collective",
+) -> list[Prediction]:
+    """Every requested setup at every world size, in that order.
+
+    Example:
+        >>> from shardopt.core import TensorSpec
+        >>> params = [ParamSpec("w", TensorSpec((64,), "float32", "cpu"))]
+        >>> [p.label for p in plan_report(params, [2], stages=(0, 2), strategies=("flat",))]
+        ['DDP', 'stage 2 flat']
+    """
+    for w in world_sizes:
+        if type(w) is not int or not 1 <= w <= MAX_WORLD_SIZE:
+            raise ValueError(f"plan: expected world sizes in [1, {MAX_WORLD_SIZE}], got {w!r}")
+    return [
+        predict(
+            params,
+            w,
+            setup,
+            strategy=strategy,
+            master_dtype=master_dtype,
+            bucket_numel=bucket_numel,
+            algorithm=algorithm,
+        )
+        for w in world_sizes
+        for setup, strategy in _setups(stages, strategies)
+    ]
+
+
+def _row(p: Prediction) -> list[str]:
+    top = p.max_rank()
+    totals = max(r.total for r in p.ranks)
+    cells = [getattr(top, c) for c in _COLUMNS[:-1]] + [totals]
+    sent = p.traffic.sent(p.world_size)
+    return [p.label, *map(format_bytes, cells), f"{p.imbalance:.3f}", format_bytes(sent)]
+
+
+def assumptions(algorithm: str) -> list[str]:
+    """The assumptions of the predictions, one line each."""
+    calls = _CALLS[algorithm]
+    return [a.format(calls=calls) for a in _ASSUMPTIONS]
+
+
+def render_table(title: str, predictions: Sequence[Prediction], algorithm: str) -> str:
+    """The predictions as text: one section per world size, one row per setup."""
+    header = ["setup", *_COLUMNS, "imbalance", "sent/step"]
+    lines = [title]
+    for a in assumptions(algorithm):
+        lines.extend(textwrap.wrap(a, 98, initial_indent="  ", subsequent_indent="    "))
+    sizes = list(dict.fromkeys(p.world_size for p in predictions))
+    for w in sizes:
+        rows = [header] + [_row(p) for p in predictions if p.world_size == w]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines.append(f"\nworld size {w}")
+        for r in rows:
+            cells = [r[0].ljust(widths[0])] + [c.rjust(n) for c, n in zip(r[1:], widths[1:])]
+            lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def _as_json(
+    source: str, params: Sequence[ParamSpec], predictions: Sequence[Prediction], algorithm: str
+) -> Any:
+    def entry(p: Prediction) -> dict[str, Any]:
+        top = p.max_rank()
+        return {
+            "world_size": p.world_size,
+            "setup": p.label,
+            "stage": p.setup.value,
+            "strategy": p.strategy,
+            "max_rank_bytes": {c: getattr(top, c) for c in _COLUMNS[:-1]},
+            "max_rank_total": max(r.total for r in p.ranks),
+            "min_rank_total": min(r.total for r in p.ranks),
+            "imbalance": p.imbalance,
+            "traffic": {
+                "all_reduce_bytes": p.traffic.all_reduce,
+                "reduce_scatter_bytes": p.traffic.reduce_scatter,
+                "all_gather_bytes": p.traffic.all_gather,
+                "shardopt_collectives": p.traffic.collectives,
+                "sent_per_rank": p.traffic.sent(p.world_size),
+                "received_per_rank": p.traffic.sent(p.world_size),
+            },
+        }
+
+    return {
+        "source": source,
+        "parameters": sum(p.spec.numel for p in params),
+        "trainable": sum(p.spec.numel for p in params if p.trainable),
+        "tensors": len(params),
+        "assumptions": assumptions(algorithm),
+        "results": [entry(p) for p in predictions],
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Runs ``shardopt plan`` with parsed ``args``; prints the table or the JSON."""
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    master = None if args.master_dtype is None else getattr(torch, args.master_dtype)
+    bucket = None if args.bucket_numel <= 0 else args.bucket_numel
+    params = load_params(args.source, dtype)
+    predictions = plan_report(
+        params,
+        args.world_size,
+        stages=args.stage,
+        strategies=args.strategy,
+        master_dtype=master,
+        bucket_numel=bucket,
+        algorithm=args.algorithm,
+    )
+    if args.json:
+        print(json.dumps(_as_json(args.source, params, predictions, args.algorithm), indent=2))
+        return 0
+    total = sum(p.spec.numel for p in params)
+    trainable = sum(p.spec.numel for p in params if p.trainable)
+    dtypes = ", ".join(sorted({p.spec.dtype for p in params}))
+    title = (
+        f"{args.source}: {len(params)} tensors, {total:,} parameters ({trainable:,} trainable), "
+        f"{dtypes}" + (f", {args.master_dtype} master weights" if master else "")
+    )
+    print(render_table(title, predictions, args.algorithm))
+    return 0
+
+
+def add_plan_parser(commands: Any) -> None:
+    """Adds the ``plan`` subcommand to ``commands`` (an argparse subparsers object)."""
+    p = commands.add_parser(
+        "plan",
+        help="per-rank memory and traffic of DDP and shardopt stages 1 and 2",
+        description="Predicts, exactly and from shapes alone (the meta device), the bytes each "
+        "rank holds and sends per step under DDP + AdamW and shardopt stages 1 and 2.",
+    )
+    p.add_argument(
+        "source",
+        help="a preset (gpt2-small, gpt2-xl, llama-7b, ...), a "
+        "module:function factory, or a JSON file of shapes",
+    )
+    p.add_argument(
+        "-w",
+        "--world-size",
+        type=int,
+        nargs="+",
+        default=[2, 8, 64],
+        help=f"world sizes, up to {MAX_WORLD_SIZE} (default: 2 8 64)",
+    )
+    p.add_argument(
+        "--stage",
+        type=int,
+        nargs="+",
+        choices=(0, 1, 2),
+        default=[0, 1, 2],
+        help="0 is DDP + torch.optim.AdamW (default: 0 1 2)",
+    )
+    p.add_argument(
+        "--strategy",
+        nargs="+",
+        choices=("flat", "greedy"),
+        default=["flat", "greedy"],
+        help="plan strategies (default: both)",
+    )
+    _add_dtype_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run_plan)
+
+
+def _add_dtype_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=_DTYPES, help="cast floating parameters to this dtype")
+    p.add_argument(
+        "--master-dtype",
+        choices=_DTYPES,
+        help="master weights and optimizer state dtype for lower-precision params",
+    )
+    p.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=DEFAULT_BUCKET_NUMEL,
+        help="elements per rank and collective, as shard()'s; 0: one per group "
+        f"(default: {DEFAULT_BUCKET_NUMEL})",
+    )
+    p.add_argument(
+        "--algorithm",
+        choices=("collective", "rooted"),
+        default="collective",
+        help="shard()'s collectives: all-gathers and reduce-scatters, or broadcasts and "
+        "reduces (its default for CPU tensors on gloo) (default: collective)",
+    )

@@ -1,0 +1,72 @@
+"""The CLI's worlds: results in rank order, a failing or stuck rank reported, no leftovers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardopt.testing._cli_launch import TorchrunEnv, launch, resolve_backend, torchrun_env
+
+
+def summed(rank: int, world: int, base: int) -> tuple[int, int]:
+    t = torch.tensor([rank + base])
+    dist.all_reduce(t)
+    return rank, int(t)
+
+
+def fails_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ZeroDivisionError("rank 1 divides by zero")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def stuck_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        time.sleep(600)
+
+
+def test_launch_returns_each_ranks_result_in_rank_order(no_leaks):
+    assert launch(summed, 3, 10, timeout=60.0) == [(0, 33), (1, 33), (2, 33)]
+
+
+def test_launch_reports_the_failing_rank_with_its_traceback_and_stops_the_others(no_leaks):
+    with pytest.raises(RuntimeError, match="rank 1 failed") as info:
+        launch(fails_on_rank_1, 2, timeout=60.0, api="demo")
+    assert "ZeroDivisionError: rank 1 divides by zero" in str(info.value)
+    assert str(info.value).startswith("demo: ")
+
+
+def test_launch_stops_every_rank_after_the_timeout(no_leaks):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] still running"):
+        launch(stuck_on_rank_1, 2, timeout=3.0)
+    assert time.monotonic() - start < 30
+
+
+def test_torchrun_env_is_read_from_torchruns_variables(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_env() is None
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert torchrun_env() == TorchrunEnv(rank=3, world_size=8, local_rank=1)
+    monkeypatch.setenv("RANK", "8")
+    with pytest.raises(ValueError, match="expected 0 <= RANK < WORLD_SIZE"):
+        torchrun_env()
+
+
+def test_auto_backend_is_gloo_without_one_gpu_per_rank():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert resolve_backend("auto", gpus + 1) == "gloo"
+    with pytest.raises(ValueError, match="expected backend auto, gloo or nccl, got 'mpi'"):
+        resolve_backend("mpi", 1)

@@ -1,0 +1,200 @@
+"""shardopt plan: predictions equal the bytes of real runs; the command's table, JSON and errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardopt.core import adamw, plan_partition
+from shardopt.functional import register_grad_hooks, shard
+from shardopt.testing import spawn
+from shardopt.testing._cli import main
+from shardopt.testing._cli_measure import count_collectives, measure_ddp, measure_sharded
+from shardopt.testing._cli_models import PRESETS
+from shardopt.testing._plan_cli_cost import RankBytes, Setup, Traffic, predict
+from shardopt.testing._plan_cli_source import load_params, params_of
+
+# (setup, strategy, master dtype, bucket_numel, algorithm): every kind of group, chunking,
+# staging and collective.
+CONFIGS = [
+    (Setup.DDP, "flat", None, None, "collective"),
+    (Setup.STAGE1, "flat", None, None, "collective"),
+    (Setup.STAGE1, "greedy", None, 8, "collective"),
+    (Setup.STAGE1, "flat", torch.float32, 16, "rooted"),
+    (Setup.STAGE1, "greedy", None, 8, "rooted"),
+    (Setup.STAGE2, "flat", None, 16, "collective"),
+    (Setup.STAGE2, "greedy", None, None, "rooted"),
+    (Setup.STAGE2, "flat", torch.float32, 8, "collective"),
+    (Setup.STAGE2, "flat", None, 8, "rooted"),
+]
+
+
+class MixedNet(nn.Module):
+    """float32 and bfloat16 layers, interleaved, and a frozen float32 scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(5, 7)
+        self.middle = nn.Linear(7, 6).to(torch.bfloat16)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6), requires_grad=False)
+        self.last = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x)).to(torch.bfloat16)
+        h = torch.tanh(self.middle(h)).float() * self.scale
+        return self.last(h)
+
+
+def backward(model: nn.Module, rank: int) -> None:
+    gen = torch.Generator().manual_seed(rank)
+    model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+
+
+def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankBytes, Traffic, list]:
+    """Two steps of ``config``; the bytes held after them and the collectives of the second."""
+    setup, strategy, master, bucket, algorithm = config
+    torch.manual_seed(0)
+    model = MixedNet()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if setup is Setup.DDP:
+        opt = torch.optim.AdamW(params)
+        for _ in range(2):
+            opt.zero_grad()
+            backward(model, rank)
+            with count_collectives() as log:
+                for p in params:  # what DDP's buckets do, one bucket per gradient
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            opt.step()
+        return measure_ddp(model.parameters(), opt), log.traffic(), log.others()
+    plan = plan_partition(params, world, strategy=strategy)
+    sharded = shard(
+        adamw(),
+        plan,
+        stage=setup.value,
+        master_dtype=master,
+        bucket_numel=bucket,
+        algorithm=algorithm,
+    )
+    state = sharded.init(params)
+    if setup is Setup.STAGE2:
+        register_grad_hooks(params, state)
+    for _ in range(2):
+        for p in params:
+            p.grad = None
+        with count_collectives() as log:
+            backward(model, rank)
+            if setup is Setup.STAGE1:
+                for p in params:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            state = sharded.step(params, None, state)
+    return measure_sharded(model.parameters(), state), log.traffic(), log.others()
+
+
+def run_all(rank: int, world: int) -> list[tuple[RankBytes, Traffic, list]]:
+    return [run_config(rank, world, config) for config in CONFIGS]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
+    results = spawn(run_all, world, backend="gloo", timeout=120.0)
+    params = params_of(MixedNet())
+    for (setup, strategy, master, bucket, algorithm), *per_rank in zip(CONFIGS, *results):
+        p = predict(
+            params,
+            world,
+            setup,
+            strategy=strategy,
+            master_dtype=master,
+            bucket_numel=bucket,
+            algorithm=algorithm,
+        )
+        for rank, (held, traffic, others) in enumerate(per_rank):
+            where = f"{p.label} master={master} bucket={bucket} {algorithm} rank {rank}"
+            assert held == p.ranks[rank], where
+            assert traffic == p.traffic, where
+            assert others == [], where
+
+
+def test_stage2_saves_gradients_and_state_but_not_traffic_against_ddp():
+    params = load_params("gpt2-small")
+    ddp, stage2 = (predict(params, 8, s, bucket_numel=1 << 22) for s in (Setup.DDP, Setup.STAGE2))
+    assert stage2.max_rank().optimizer * 8 < ddp.max_rank().optimizer * 1.01
+    assert stage2.max_rank().grads * 8 < ddp.max_rank().grads * 1.01
+    assert stage2.traffic.sent(8) == pytest.approx(ddp.traffic.sent(8), rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("preset", "tensors", "numel"),
+    [
+        ("gpt2-small", 148, 124_439_808),
+        ("gpt2-xl", 580, 1_557_611_200),
+        ("llama-7b", 291, 6_738_415_616),
+        ("mlp-12x1024", 24, 12_595_200),
+    ],
+)
+def test_presets_have_the_published_parameter_counts(preset, tensors, numel):
+    with torch.device("meta"):
+        model = PRESETS[preset]()
+    params = params_of(model)
+    assert (len(params), sum(p.spec.numel for p in params)) == (tensors, numel)
+
+
+def test_plan_table_lists_every_setup_for_every_world_size(capsys):
+    assert main(["plan", "gpt2-xl", "-w", "8", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "1,557,611,200 parameters" in out
+    for w in (8, 1024):
+        section = out.split(f"world size {w}\n")[1].split("\n\n")[0]
+        labels = [line.split("  ")[0] for line in section.splitlines()[1:]]
+        assert labels == ["DDP", "stage 1 flat", "stage 1 greedy", "stage 2 flat", "stage 2 greedy"]
+
+
+def test_plan_json_holds_the_exact_bytes(capsys):
+    assert (
+        main(["plan", "gpt2-small", "-w", "4", "--stage", "1", "--strategy", "flat", "--json"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    (entry,) = data["results"]
+    expected = predict(load_params("gpt2-small"), 4, Setup.STAGE1, bucket_numel=1 << 22)
+    assert entry["max_rank_total"] == max(r.total for r in expected.ranks)
+    assert entry["traffic"]["all_gather_bytes"] == expected.traffic.all_gather
+    assert data["parameters"] == 124_439_808
+
+
+def test_plan_reads_a_json_of_shapes_and_a_factory(tmp_path, capsys):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps([[3, 4], [[5], "bfloat16"], {"shape": [2], "trainable": False}]))
+    params = load_params(str(path))
+    assert [(p.spec.shape, p.spec.dtype, p.trainable) for p in params] == [
+        ((3, 4), "float32", True),
+        ((5,), "bfloat16", True),
+        ((2,), "float32", False),
+    ]
+    assert main(["plan", f"{__name__}:MixedNet", "-w", "2", "--json"]) == 0
+    assert (
+        json.loads(capsys.readouterr().out)["parameters"] == 5 * 7 + 7 + 7 * 6 + 6 + 6 + 6 * 3 + 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "gpt2-small", "-w", "0"], "expected world sizes in [1, 4096], got 0"),
+        (["plan", "gpt2-small", "-w", "4097"], "expected world sizes in [1, 4096], got 4097"),
+        (["plan", "no-such-model"], "expected a preset"),
+        (["plan", "shardopt.testing:no_such_factory"], "cannot load the factory"),
+        (["plan", "missing.json"], "cannot read missing.json"),
+    ],
+)
+def test_plan_reports_bad_input_on_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardopt plan: error: "), err
+    assert message in err, err
