@@ -58,6 +58,8 @@ def bench(session: nox.Session) -> None:
     _install(session)
     session.run("python", "benchmarks/bench_flat_adam.py")
     session.run("python", "benchmarks/bench_plan.py")
+    session.run("python", "benchmarks/bench_zero_consolidate.py")
+    session.run("python", "benchmarks/bench_zero_step.py")
     session.run("shardopt", "bench", *session.posargs, env=THREAD_ENV)
 
 

@@ -6,8 +6,10 @@ from shardopt.optim._averagers import (
     PeriodicModelAverager,
 )
 from shardopt.optim._averaging import average_parameters
+from shardopt.optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 from shardopt.optim._post_local_sgd import PostLocalSGDOptimizer
 from shardopt.optim._rpc_optimizer import DistributedOptimizer
+from shardopt.optim._zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DistributedOptimizer",
@@ -15,5 +17,8 @@ __all__ = [
     "ModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",
+    "ZeroRedundancyOptimizer",
     "average_parameters",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
 ]

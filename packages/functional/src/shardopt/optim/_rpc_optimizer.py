@@ -2,39 +2,21 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-import shardopt.core as core
 from shardopt.core import Transformation, update_flat_
+from shardopt.optim._core_mapping import LocalOptimizerSpec, plan_local_optimizer
 
 __all__ = ["DistributedOptimizer", "LocalOptimizerSpec", "plan_local_optimizer"]
 
 logger = logging.getLogger(__name__)
-
-# The torch.optim classes with a pure counterpart in shardopt.core (same hyperparameter names).
-_CORE_FACTORIES: dict[type, str] = {
-    torch.optim.SGD: "sgd",
-    torch.optim.Adam: "adam",
-    torch.optim.AdamW: "adamw",
-    torch.optim.Adagrad: "adagrad",
-    torch.optim.RMSprop: "rmsprop",
-    torch.optim.Adamax: "adamax",
-    torch.optim.NAdam: "nadam",
-    torch.optim.RAdam: "radam",
-    torch.optim.Adadelta: "adadelta",
-    torch.optim.Rprop: "rprop",
-}
-# Constructor flags of torch.optim that pick an implementation, not an update rule.
-_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable"})
 
 # [Note: local optimizers without TorchScript]
 # torch's DistributedOptimizer compiles a functional optimizer with TorchScript on each worker,
@@ -52,72 +34,6 @@ _IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable"})
 # parameters (one per trainer) then never update a parameter at the same time. Steps are
 # serialised per worker, in no particular order across workers.
 _WORKER_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class LocalOptimizerSpec:
-    """How every worker builds its local optimizer: a shardopt.core factory, or the class itself.
-
-    ``factory`` is ``None`` for the fallback: ``optimizer_class(params, *args, **kwargs)``.
-    """
-
-    optimizer_class: Any
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    factory: Callable[..., Transformation] | None = None
-    factory_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not callable(self.optimizer_class):
-            raise TypeError(
-                "DistributedOptimizer: expected an optimizer class as optimizer_class, got "
-                f"{self.optimizer_class!r}"
-            )
-
-
-def plan_local_optimizer(
-    optimizer_class: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
-) -> LocalOptimizerSpec:
-    """Maps ``optimizer_class(params, *args, **kwargs)`` to a shardopt.core factory if it can.
-
-    See [Note: local optimizers without TorchScript].
-
-    Example:
-        >>> import torch
-        >>> plan_local_optimizer(torch.optim.SGD, (), {"lr": 0.1}).factory.__name__
-        'sgd'
-        >>> plan_local_optimizer(torch.optim.ASGD, (), {"lr": 0.1}).factory is None
-        True
-    """
-    kwargs = dict(kwargs or {})
-    fallback = LocalOptimizerSpec(optimizer_class, tuple(args), kwargs)
-    name = _CORE_FACTORIES.get(optimizer_class)
-    if name is None:
-        return fallback
-    try:
-        factory = getattr(core, name)
-        signature = inspect.signature(optimizer_class.__init__)
-        bound = signature.bind(None, None, *args, **kwargs)
-    except (AttributeError, ImportError, TypeError):
-        return fallback  # no factory yet, or arguments torch itself will reject on the worker
-    bound.apply_defaults()
-    accepted = inspect.signature(factory).parameters
-    factory_kwargs: dict[str, Any] = {}
-    for key, value in list(bound.arguments.items())[2:]:
-        if key in _IMPLEMENTATION_FLAGS:
-            continue
-        if key in accepted:
-            factory_kwargs[key] = value
-        elif not _is_default(value, signature.parameters[key].default):
-            logger.debug("DistributedOptimizer: %s=%r has no shardopt.core counterpart", key, value)
-            return fallback
-    return LocalOptimizerSpec(optimizer_class, tuple(args), kwargs, factory, factory_kwargs)
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
-        return value is default
-    return bool(value == default)
 
 
 class _LocalOptimizer:

@@ -1,0 +1,400 @@
+"""ZeroRedundancyOptimizer: torch's sharded optimizer, rebuilt on shardopt.core and functional."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from shardopt.core import Plan
+from shardopt.functional._validate import agree_across_ranks, fingerprint
+from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
+from shardopt.optim._zero_join import ZeroJoinHook
+from shardopt.optim._zero_params import (
+    Partition,
+    check_options,
+    check_param_types,
+    check_rank,
+    group_params,
+    read_params,
+)
+from shardopt.optim._zero_partition import (
+    flat_partition,
+    greedy_plan,
+    owners,
+    partition_parameters,
+    step_only,
+)
+from shardopt.optim._zero_state_dict import (
+    consolidate_greedy,
+    load_greedy,
+    local_states,
+    saved_entries,
+)
+from shardopt.optim._zero_sync import ParamSync
+from shardopt.optim._zero_transport import comm_device, on_device
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+API = "ZeroRedundancyOptimizer"
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
+
+    The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
+    import and nothing else. Each rank steps a local optimizer over its share of the
+    parameters, then every rank receives the others' updated parameters. Used behind DDP (or
+    with gradients averaged otherwise); every method that communicates must be called on all
+    ranks of ``process_group``.
+
+    - ``partition="greedy"`` (default): torch's assignment of whole parameters (see
+      [Note: the greedy partition]); ``optim`` is ``optimizer_class(this rank's param groups,
+      **defaults)``, any ``torch.optim.Optimizer`` subclass. The parameter sync goes through
+      flat buffers: one broadcast per rank and bucket under gloo, one all-gather per bucket
+      under NCCL, not one call per parameter (see [Note: greedy parameter sync]). With
+      ``parameters_as_bucket_view=True`` the parameters become views of those buffers; without,
+      they keep their storage and small staging buffers carry them.
+    - ``partition="flat"``: for the elementwise torch.optim classes (SGD, Adam, AdamW, Adagrad,
+      RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop): every rank owns an equal slice of one
+      flat buffer per dtype (exactly 1/W of the state; parameters may straddle ranks), stepped
+      by shardopt.core through ``shardopt.functional.shard``; ``optim`` is a
+      :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (see [Note: the flat local
+      optimizer]). Parameters are always views of the flat buffers.
+    - ``allow_mixed_dtypes=True``: parameters of several dtypes, one flat group per dtype.
+
+    ``consolidate_state_dict`` gathers flat tensors to one rank (see [Note: consolidation without
+    pickled tensors]); ``state_dict()`` there is the global state in torch.optim's format as it
+    was then (a copy), loadable by torch's ZeroRedundancyOptimizer and by plain torch.optim.
+
+    Args:
+        params: tensors or param-group dicts, as for any torch optimizer.
+        optimizer_class: the local optimizer's class.
+        process_group: the group sharing the state (None: the default group).
+        parameters_as_bucket_view: make the parameters views of the flat buffers.
+        overlap_with_ddp: step from a DDP communication hook (``hook_with_zero_step``), which
+            calls ``_step_params`` and ``_sync_params_of``; :meth:`step` then does nothing.
+        partition: ``"greedy"`` or ``"flat"`` (keyword only).
+        allow_mixed_dtypes: accept parameters of several dtypes (keyword only).
+        **defaults: hyperparameters of ``optimizer_class``.
+
+    Example:
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+        >>> model(torch.ones(4, 2)).sum().backward()
+        >>> opt.step()
+        >>> opt.consolidate_state_dict(to=0)
+        >>> sorted(opt.state_dict()["state"][0])
+        ['exp_avg', 'exp_avg_sq', 'step']
+        >>> dist.destroy_process_group()
+
+    Raises:
+        TypeError: ``params`` is not an iterable of tensors or of param-group dicts.
+        ValueError: no parameters, a sparse parameter, mixed dtypes (unless allowed), an unknown
+            ``partition``, or ``partition="flat"`` with an optimizer that is not elementwise.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type[Optimizer],
+        process_group: Any = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        *,
+        partition: str = "greedy",
+        allow_mixed_dtypes: bool = False,
+        **defaults: Any,
+    ) -> None:
+        groups, all_params = read_params(params)
+        check_param_types(all_params, allow_mixed_dtypes=allow_mixed_dtypes)
+        self._partition = check_options(
+            optimizer_class,
+            partition,
+            overlap_with_ddp=overlap_with_ddp,
+            parameters_as_bucket_view=parameters_as_bucket_view,
+            allow_mixed_dtypes=allow_mixed_dtypes,
+        )
+        self.initialized = False  # add_param_group acts as the base class's until the end
+        Optimizer.__init__(self, groups, defaults)
+        Joinable.__init__(self)
+        self._all_params: list[torch.Tensor] = list(all_params)
+        self._default_device = self._all_params[0].device
+        group: Any = dist.group.WORLD if process_group is None else process_group
+        self.process_group = group
+        self.world_size: int = dist.get_world_size(self.process_group)
+        self.rank: int = dist.get_rank(self.process_group)
+        self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._overlap_with_ddp = overlap_with_ddp
+        self._allow_mixed_dtypes = allow_mixed_dtypes
+        self._optim_defaults = defaults
+        self._optim_constructor = optimizer_class
+        self._consolidated: dict[int, dict[str, Any]] | None = None
+        self._warned_overlap_step = False
+        self._cache: dict[str, Any] = {}
+        self._param_sync: ParamSync | None = None
+        self.optim: Any
+        if self._partition is Partition.FLAT:
+            self._init_flat()
+        else:
+            self._init_greedy()
+        self.initialized = True
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _init_greedy(self) -> None:
+        plan = greedy_plan(self.param_groups, self.world_size)
+        local = partition_parameters(self.param_groups, plan)[self.rank]
+        self.optim = self._optim_constructor(local, **self._optim_defaults)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        extra = (API, self._partition.value, self.parameters_as_bucket_view, self._overlap_with_ddp)
+        with on_device(self._default_device):
+            agree_across_ranks(API, None, fingerprint(plan, extra), self.process_group)
+        self._set_plan(plan)
+
+    def _set_plan(self, plan: Plan) -> None:
+        self._cache["plan"] = plan
+        views = self.parameters_as_bucket_view
+        self._param_sync = ParamSync(
+            plan, self._index_to_param, self.rank, self.process_group, views=views
+        )
+
+    def _init_flat(self) -> None:
+        full = torch_defaults(self._optim_constructor, self._optim_defaults, self._all_params[0])
+        optim = FlatShardOptimizer(
+            self._optim_constructor, full, self.process_group, self.world_size
+        )
+        for group in self.param_groups:
+            optim.prepare(group)  # raises before any collective
+        self.optim = optim
+        with on_device(self._default_device):
+            for group in self.param_groups:
+                optim.add_param_group(group)
+
+    @property
+    def _flat(self) -> bool:
+        return self._partition is Partition.FLAT
+
+    # -- partition, in torch's attributes ----------------------------------------------------
+
+    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def _partition_parameters(self) -> list[list[dict[str, Any]]]:
+        """Per rank, its param groups: each outer group with the parameters the rank updates
+        (flat partition: the parameters with elements on the rank)."""
+        if self._flat:
+            units = self.optim.units()
+            return self._cached(
+                "partition", lambda: flat_partition(self.param_groups, units, self.world_size)
+            )
+        plan = self._cache["plan"]
+        return self._cached("partition", lambda: partition_parameters(self.param_groups, plan))
+
+    @property
+    def _param_to_rank(self) -> dict[torch.Tensor, int]:
+        """Parameter -> the rank that updates it (flat: the rank with its first element)."""
+        if self._flat:
+            plans = [None if u is None else u.plan for u in self.optim.units()]
+        else:
+            plans = [self._cache["plan"]]
+        return self._cached("owners", lambda: owners(self.param_groups, plans))
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        """Parameter -> its index in the global state dict (param-group order)."""
+        return self._cached("index", lambda: {p: i for i, p in enumerate(self._index_to_param)})
+
+    @property
+    def _index_to_param(self) -> list[torch.Tensor]:
+        """The parameters in the global state dict's order."""
+        return self._cached(
+            "params", lambda: list(chain.from_iterable(g["params"] for g in self.param_groups))
+        )
+
+    @staticmethod
+    def _sync_param_groups(
+        src_param_groups: list[dict[str, Any]], dst_param_groups: list[dict[str, Any]]
+    ) -> None:
+        """Copies every key but ``"params"`` of each source group into its destination group."""
+        if len(src_param_groups) != len(dst_param_groups):
+            raise ValueError(
+                f"{API}: expected as many source as destination param groups, got "
+                f"{len(src_param_groups)} and {len(dst_param_groups)}"
+            )
+        for src, dst in zip(src_param_groups, dst_param_groups):
+            for key, value in src.items():
+                if key != "params":
+                    dst[key] = value
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Steps this rank's share, then syncs every parameter from its owner.
+
+        ``closure`` and ``kwargs`` go to the local optimizer's ``step`` as in torch (the flat
+        partition takes no ``kwargs``). Returns the local optimizer's result (the loss).
+        """
+        if self._overlap_with_ddp:
+            if not self._warned_overlap_step:
+                logger.warning(
+                    "%s.step: with overlap_with_ddp=True the DDP communication hook steps the "
+                    "optimizer; step() does nothing and can leave the training loop",
+                    API,
+                )
+                self._warned_overlap_step = True
+            return None
+        Join.notify_join_context(self)
+        return self._step_and_sync(closure, kwargs)
+
+    def _shadow_step(self) -> None:
+        """The step of a rank that has joined (see [Note: joining with uneven inputs])."""
+        if not self._overlap_with_ddp:
+            self._step_and_sync(None, {})
+
+    def _step_and_sync(self, closure: Callable[[], Any] | None, kwargs: dict[str, Any]) -> Any:
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        if self._flat:
+            loss = self.optim.step(closure, **kwargs)  # updates and syncs
+        elif closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        if self._param_sync is not None:
+            self._param_sync.sync()
+        return loss
+
+    def _step_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Runs the local optimizer's update for those of ``params`` this rank owns, from their
+        ``.grad`` (no parameter sync). For the DDP communication hooks."""
+        if self._flat:
+            raise RuntimeError(f"{API}._step_params: expected partition='greedy', got 'flat'")
+        to_rank = self._param_to_rank
+        mine = {id(p) for p in params if to_rank.get(p) == self.rank and p.grad is not None}
+        if mine:
+            self._sync_param_groups(self.param_groups, self.optim.param_groups)
+            step_only(self.optim, mine)
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    def _sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
+        """Starts the sync of just ``params`` from their owners; returns handles with ``wait()``
+        (see ParamSync.sync_of). Every rank passes the same parameters in the same order."""
+        if self._param_sync is None:
+            raise RuntimeError(f"{API}._sync_params_of: expected partition='greedy', got 'flat'")
+        return self._param_sync.sync_of(params, async_op=async_op)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group and re-partitions; must be called on every rank.
+
+        The parameters of earlier groups keep their owners; the new group's are spread over the
+        ranks (flat partition: it gets its own flat buffers).
+
+        Raises:
+            RuntimeError: with ``overlap_with_ddp=True`` (as torch).
+            ValueError: a sparse parameter, or a new dtype without ``allow_mixed_dtypes``.
+        """
+        if not self.initialized:
+            super().add_param_group(param_group)
+            return
+        if self._overlap_with_ddp:
+            raise RuntimeError(
+                f"{API}.add_param_group: expected a single parameter group with "
+                "overlap_with_ddp=True, got a request to add one"
+            )
+        new = group_params(param_group, len(self.param_groups))
+        check_param_types(self._all_params + new, allow_mixed_dtypes=self._allow_mixed_dtypes)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._all_params.extend(group["params"])
+        self._cache.clear()
+        if self._flat:
+            self.optim.prepare(group)
+            with on_device(self._default_device):
+                self.optim.add_param_group(group)
+            return
+        plan = greedy_plan(self.param_groups, self.world_size)
+        self.optim.add_param_group(partition_parameters(self.param_groups, plan)[self.rank][-1])
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        self._set_plan(plan)
+
+    # -- state dicts ---------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
+
+        See [Note: consolidation without pickled tensors]. Afterwards :meth:`state_dict` works on
+        rank ``to`` (and raises on the others).
+        """
+        check_rank("consolidate_state_dict", "to", to, self.world_size)
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        with on_device(self._default_device):
+            if self._flat:
+                state = self.optim.consolidate(self._param_to_index, to=to)
+            else:
+                states = local_states(self.optim, self._param_to_index.__getitem__)
+                device = comm_device(self.process_group, self._default_device)
+                state = consolidate_greedy(states, to=to, group=self.process_group, device=device)
+        self._consolidated = state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global state in torch.optim's format, as of the last :meth:`consolidate_state_dict`
+        (the param groups as they are now).
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"{API}.state_dict: expected the optimizer state consolidated on this rank, got "
+                f"none on rank {self.rank}; call consolidate_state_dict(to={self.rank}) on all "
+                "ranks first"
+            )
+        out = super().state_dict()
+        out["state"] = dict(sorted(self._consolidated.items()))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
+        torch.optim one over the same parameters): each rank keeps what it owns.
+
+        Raises:
+            ValueError: the param groups do not have this optimizer's sizes.
+        """
+        entries = saved_entries(state_dict, self.param_groups)
+        self._sync_param_groups(state_dict["param_groups"], self.param_groups)
+        if self._flat:
+            self.optim.load(entries)
+        else:
+            load_greedy(self.optim, state_dict["param_groups"], entries.get)
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+
+    # -- Joinable ------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that shadows :meth:`step` on ranks out of inputs (no keyword arguments used)."""
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the join context's collectives: the first parameter's."""
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The process group of the join context."""
+        return self.process_group

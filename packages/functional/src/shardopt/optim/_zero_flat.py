@@ -1,0 +1,242 @@
+"""partition='flat': ZeroRedundancyOptimizer's local optimizer as shardopt.functional shards."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardopt.core import Plan, Transformation, plan_partition
+from shardopt.functional import ShardedState, ShardedTransformation, shard
+from shardopt.functional._collectives import ProcessGroup
+from shardopt.functional._state import probe_fields
+from shardopt.optim._core_mapping import plan_local_optimizer
+from shardopt.optim._zero_flat_state import (
+    consolidate_flat,
+    init_values,
+    load_flat,
+    piece_entries,
+)
+
+__all__ = ["FlatShardOptimizer", "torch_defaults"]
+
+API = "ZeroRedundancyOptimizer"
+
+# [Note: the flat local optimizer]
+# With partition="flat", ``zero.optim`` is a FlatShardOptimizer. Each param group is one
+# ``shardopt.functional.shard(tx, plan_partition(group's params, W, strategy="flat"), stage=1)``,
+# ``tx`` being the shardopt.core factory of the torch.optim class (``plan_local_optimizer``)
+# built with the group's hyperparameters: equal slices of one flat buffer per dtype, parameters
+# cut between ranks where the slices fall, one parameter all-gather per group and dtype. It reads
+# like a torch.optim.Optimizer over this rank's slice:
+# - ``param_groups[i]``: the group's hyperparameters, with every key torch's class fills in, and
+#   ``"params"``: 1-D views of the pieces of parameters this rank updates (layout order).
+# - ``state``: piece view -> {torch's state name: view of the piece's state}, for the pieces
+#   torch would have state for (stepped at least once; Adagrad: always). A snapshot of views,
+#   rebuilt on each access: writing into its tensors writes the optimizer's state.
+# - ``step()``: each group's hyperparameters are compared with those its tx was built from; on a
+#   change (an LR scheduler, an edit of ``param_groups``, ``load_state_dict``) the tx is rebuilt
+#   from the new values, so a float lr stays a float and the update stays torch's (a 0-d tensor
+#   lr would take torch's tensor-lr arithmetic). The state is kept: same fields, same buffers. A
+#   change that would alter the state's structure (``momentum`` or ``weight_decay`` from 0,
+#   ``amsgrad``, ``centered``) raises instead.
+
+
+def torch_defaults(
+    optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any], like: torch.Tensor
+) -> dict[str, Any]:
+    """The defaults torch's class fills into every param group, validated by torch itself.
+
+    Example:
+        >>> sorted(torch_defaults(torch.optim.SGD, {"lr": 0.1}, torch.zeros(1)))[:3]
+        ['dampening', 'differentiable', 'foreach']
+    """
+    probe = torch.zeros(0, dtype=like.dtype, device=like.device, requires_grad=True)
+    return dict(optimizer_class([probe], **defaults).defaults)
+
+
+class _Unit:
+    """One param group's shard: plan, sharded transformation and state, and what built them."""
+
+    __slots__ = ("fields", "hyper", "initial", "params", "pieces", "plan", "sharded", "state")
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        plan: Plan,
+        tx: Transformation,
+        hyper: dict[str, Any],
+        group: ProcessGroup,
+    ) -> None:
+        self.params, self.plan = params, plan
+        self.set_tx(tx, hyper, group)
+        self.state: ShardedState = self.sharded.init(params)
+        layout = self.state.layout
+        self.pieces = layout.piece_views([layout.shard(g) for g in range(len(layout.buffers))])
+
+    def structure(self, tx: Transformation) -> dict[str, Any]:
+        """The fields of ``tx``'s state over this plan: path -> (kind, dtypes)."""
+        probes = [torch.zeros(2, dtype=getattr(torch, g.dtype)) for g in self.plan.groups]
+        found = probe_fields(tx, probes)
+        return {path: (kind.value, dtypes) for path, (kind, dtypes) in found.items()}
+
+    def set_tx(self, tx: Transformation, hyper: dict[str, Any], group: ProcessGroup) -> None:
+        """Steps with ``tx``, built from ``hyper``, from now on (the state is kept)."""
+        self.sharded: ShardedTransformation = shard(tx, self.plan, group=group, stage=1)
+        self.fields = self.structure(tx)
+        self.initial = init_values(tx, [getattr(torch, g.dtype) for g in self.plan.groups])
+        self.hyper = hyper
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+class FlatShardOptimizer:
+    """``ZeroRedundancyOptimizer.optim`` under ``partition="flat"`` (see [Note: the flat local
+    optimizer]): one shardopt.functional shard per param group, torch.optim-like attributes."""
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        defaults: dict[str, Any],
+        group: ProcessGroup,
+        world_size: int,
+    ) -> None:
+        self.optimizer_class = optimizer_class
+        self.defaults = dict(defaults)
+        self.param_groups: list[dict[str, Any]] = []
+        self._units: list[_Unit | None] = []
+        self._group = group
+        self._world_size = world_size
+        accepted = inspect.signature(optimizer_class.__init__).parameters
+        self._arguments = frozenset(accepted) - {"self", "params"}
+
+    def hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The keys of ``group`` that the class's constructor takes (not ``initial_lr``, nor
+        AdamW's ``decoupled_weight_decay``, which it sets itself)."""
+        return {k: v for k, v in group.items() if k in self._arguments}
+
+    def build(self, hyper: dict[str, Any]) -> Transformation:
+        """The core transformation of the class with ``hyper``; raises ValueError if none."""
+        spec = plan_local_optimizer(self.optimizer_class, (), hyper)
+        if spec.factory is None:
+            unmapped = [
+                f"{k}={v!r}"
+                for k, v in hyper.items()
+                if plan_local_optimizer(self.optimizer_class, (), {k: v}).factory is None
+            ]
+            raise ValueError(
+                f"{API}: partition='flat' has no shardopt.core form of "
+                f"{self.optimizer_class.__name__} with {', '.join(unmapped) or hyper}; use "
+                "partition='greedy'"
+            )
+        return spec.factory(**spec.factory_kwargs)
+
+    def prepare(self, group: dict[str, Any]) -> None:
+        """Fills ``group`` (a ZeroRedundancyOptimizer group) with the class's defaults and checks
+        that shardopt.core can run it; local, so it raises before any collective."""
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        self.build(self.hyperparameters(group))
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Shards ``group`` (a ZeroRedundancyOptimizer group, all keys filled); collective."""
+        hyper = self.hyperparameters(group)
+        params = list(group["params"])
+        unit = None
+        if params:
+            plan = plan_partition(params, self._world_size, strategy="flat")
+            unit = _Unit(params, plan, self.build(hyper), hyper, self._group)
+        self._units.append(unit)
+        self.param_groups.append({**hyper, "params": [] if unit is None else unit.pieces})
+
+    def _refresh(self, unit: _Unit, group: dict[str, Any]) -> None:
+        hyper = self.hyperparameters(group)
+        if _same(hyper, unit.hyper):
+            return
+        tx = self.build(hyper)
+        structure = unit.structure(tx)
+        if structure != unit.fields:
+            changed = sorted(k for k in hyper if not _same({k: hyper[k]}, {k: unit.hyper.get(k)}))
+            raise ValueError(
+                f"{API}: partition='flat' cannot change {', '.join(changed)} of "
+                f"{self.optimizer_class.__name__} in a way that changes its state (fields "
+                f"{sorted(unit.fields)} would become {sorted(structure)}); set them at "
+                "construction"
+            )
+        unit.set_tx(tx, hyper, self._group)
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Runs ``closure`` (under grad mode), then updates and all-gathers every group."""
+        if kwargs:
+            raise TypeError(
+                f"{API}.step: partition='flat' takes no extra step arguments, got {sorted(kwargs)}"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for unit, group in zip(self._units, self.param_groups):
+            if unit is not None:
+                self._refresh(unit, group)
+                unit.state = unit.sharded.step(unit.params, None, unit.state)
+        return loss
+
+    def consolidate(
+        self, index: dict[torch.Tensor, int], *, to: int
+    ) -> dict[int, dict[str, Any]] | None:
+        """The state of every group in torch's form, keyed by ``index[param]``, on rank ``to``
+        (None elsewhere); collective."""
+        ids = [[index[p] for p in ([] if u is None else u.params)] for u in self._units]
+        return consolidate_flat(self._units, ids, to=to, group=self._group)
+
+    def load(self, entries: dict[torch.Tensor, Any]) -> None:
+        """Loads torch-form entries (param -> entry; a missing param starts afresh)."""
+        for unit in self._units:
+            if unit is not None:
+                load_flat(unit, [entries.get(p) for p in unit.params])
+
+    def units(self) -> list[_Unit | None]:
+        """The shard of each param group (None for a group without parameters)."""
+        return list(self._units)
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Piece view -> its state under torch's names (see [Note: the flat local optimizer])."""
+        out: dict[torch.Tensor, dict[str, Any]] = {}
+        for unit in self._units:
+            if unit is None:
+                continue
+            for k, entry in piece_entries(unit.state).items():
+                out[unit.pieces[k]] = entry
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets the gradients of the whole parameters of every group."""
+        for unit in self._units:
+            for p in [] if unit is None else unit.params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def __repr__(self) -> str:
+        sizes = [0 if u is None else sum(p.numel() for p in u.pieces) for u in self._units]
+        return (
+            f"FlatShardOptimizer({self.optimizer_class.__name__}, elements of this rank per "
+            f"group: {sizes})"
+        )

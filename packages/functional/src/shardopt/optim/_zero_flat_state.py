@@ -1,0 +1,99 @@
+"""partition='flat' state in torch.optim's form, through shardopt.functional's checkpoint code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardopt.core import Transformation
+from shardopt.functional import ShardedState, consolidate_state_dict, load_torch_state_dict
+from shardopt.functional._checkpoint_keys import field_keys, has_state, piece_slots, piece_value
+from shardopt.functional._collectives import ProcessGroup
+from shardopt.functional._state import _field_pred, _key
+from shardopt.optim._zero_transport import to_cpu
+
+__all__ = ["consolidate_flat", "init_values", "load_flat", "piece_entries"]
+
+API = "ZeroRedundancyOptimizer"
+
+# [Note: flat state in torch's form]
+# The torch names of the core states, consolidation by gathers and loading are
+# shardopt.functional's (``field_keys``, ``consolidate_state_dict``, ``load_torch_state_dict``,
+# see [Note: torch state keys] and [Note: consolidation by gathers]); each param group is one
+# sharded state, whose tensor t is the group's t-th parameter. Two things are ours: the keys are
+# moved to the global parameter indices, and loading follows torch.optim's semantics, where a
+# parameter without an entry in the loaded dict starts afresh (its state is reset first, as
+# ``load_torch_state_dict`` only fills fresh states).
+
+
+def piece_entries(state: ShardedState) -> dict[int, dict[str, torch.Tensor]]:
+    """Piece index -> torch-named views of its state, for pieces torch would hold state for."""
+    keys = field_keys(state, API, torch_only=True)
+    layout = state.layout
+    slots = piece_slots(layout)
+    out = {}
+    for k in range(len(layout.pieces)):
+        count = None if keys.count is None else piece_value(keys.count, layout, k, slots)
+        if keys.count is None and not keys.eager:
+            continue  # no state at all (SGD without momentum)
+        if has_state(keys, count):
+            out[k] = {
+                key: piece_value(f, layout, k, slots) for f, key, kept in keys.entries if kept
+            }
+    return out
+
+
+def consolidate_flat(
+    units: Sequence[Any],
+    global_index: Sequence[Sequence[int]],
+    *,
+    to: int,
+    group: ProcessGroup,
+) -> dict[int, dict[str, Any]] | None:
+    """Every group's state in torch's form on rank ``to`` (None elsewhere), keyed by global index
+    ``global_index[i][t]`` of group i's t-th parameter; collective."""
+    out: dict[int, dict[str, Any]] = {}
+    for unit, index in zip(units, global_index):
+        if unit is None:
+            continue
+        sd = consolidate_state_dict(unit.state, None, to=to, group=group)
+        if sd is not None:
+            out.update({index[t]: to_cpu(entry) for t, entry in sd["state"].items()})
+    return out if torch.distributed.get_rank(group) == to else None
+
+
+def init_values(tx: Transformation, dtypes: Sequence[torch.dtype]) -> dict[str, list[float]]:
+    """Each field's initial value per plan group (every element starts alike).
+
+    Example:
+        >>> from shardopt.core import rprop
+        >>> init_values(rprop(lr=0.5), [torch.float32])["[0].step_size"]
+        [0.5]
+    """
+    state = tx.init([torch.zeros(2, dtype=d) for d in dtypes])
+    is_field = _field_pred(len(dtypes))
+    leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=is_field)
+    return {
+        _key(path): [e.reshape(-1)[0].item() for e in leaf]
+        for path, leaf in leaves
+        if is_field(leaf) and all(isinstance(e, torch.Tensor) for e in leaf)
+    }
+
+
+def load_flat(unit: Any, entries: Sequence[dict[str, Any] | None]) -> None:
+    """Loads torch-form ``entries`` (one per parameter of the group, None: none) into this rank's
+    slice of the group's state (see [Note: flat state in torch's form])."""
+    layout = unit.state.layout
+    slots = piece_slots(layout)
+    with torch.no_grad():
+        for f in unit.state.fields:
+            for k, piece in enumerate(layout.pieces):
+                if entries[piece.tensor] is None:
+                    fresh = unit.initial[f.path][piece.group]
+                    piece_value(f, layout, k, slots).fill_(fresh)
+    state = {t: e for t, e in enumerate(entries) if e is not None}
+    sd = {"state": state, "param_groups": [{"params": list(range(len(entries)))}]}
+    load_torch_state_dict(unit.state, sd)

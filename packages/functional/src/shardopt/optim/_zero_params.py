@@ -1,0 +1,182 @@
+"""ZeroRedundancyOptimizer's input checks: params, dtypes, partition; local, before collectives."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from shardopt.optim._core_mapping import CORE_FACTORIES
+
+__all__ = ["Partition", "check_options", "check_param_types", "check_rank", "read_params"]
+
+API = "ZeroRedundancyOptimizer"
+
+# [Note: checks before collectives]
+# Every check of the constructor and of add_param_group runs before its first collective and
+# depends only on the arguments, which every rank passes alike: a bad argument raises the same
+# error on every rank and no rank is left waiting in a collective. The error types are torch's:
+# TypeError for a ``params`` that is not an iterable of tensors or of param-group dicts,
+# ValueError for an empty parameter list, a sparse parameter or mixed dtypes (without
+# ``allow_mixed_dtypes=True``), and for options we add (``partition``).
+
+
+class Partition(str, enum.Enum):
+    """Who updates what: whole parameters per rank (torch's assignment), or equal flat slices."""
+
+    GREEDY = "greedy"
+    FLAT = "flat"
+
+
+def _kind(value: object) -> str:
+    return torch.typename(value) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def read_params(params: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """``(params as a list for Optimizer.__init__, every parameter in order)``.
+
+    Example:
+        >>> w, b = torch.ones(2), torch.ones(1)
+        >>> groups, flat = read_params([{"params": [w]}, {"params": b}])
+        >>> len(groups), len(flat)
+        (2, 2)
+
+    Raises:
+        TypeError: ``params`` is a tensor, not iterable, or mixes tensors and dicts.
+        ValueError: ``params`` is empty, or a dict lacks ``"params"``.
+    """
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{API}: expected params to be an iterable of tensors or param-group dicts, got "
+            f"{_kind(params)}"
+        )
+    items = list(params)
+    if not items:
+        raise ValueError(f"{API}: expected at least one parameter, got an empty parameter list")
+    if all(isinstance(x, torch.Tensor) for x in items):
+        return items, list(items)
+    if not all(isinstance(x, Mapping) for x in items):
+        bad = next(x for x in items if not isinstance(x, (torch.Tensor, Mapping)))
+        bad_kind = _kind(bad) if bad is not None else "a mix of tensors and dicts"
+        raise TypeError(
+            f"{API}: expected params to be an iterable of tensors or of param-group dicts, got "
+            f"an element of type {bad_kind}"
+        )
+    flat: list[torch.Tensor] = []
+    for i, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(f"{API}: expected param group {i} to have a 'params' key, got none")
+        flat.extend(group_params(group, i))
+    return items, flat
+
+
+def group_params(group: Mapping[str, Any], index: int) -> list[torch.Tensor]:
+    """The tensors of one param group (``params`` a tensor or an iterable of tensors)."""
+    params = group["params"]
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if not isinstance(params, Iterable) or isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"{API}: expected param group {index} 'params' to be an ordered iterable of tensors, "
+            f"got {_kind(params)}"
+        )
+    out = list(params)
+    for p in out:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"{API}: expected param group {index} 'params' to hold tensors, got {_kind(p)}"
+            )
+    return out
+
+
+def check_param_types(params: list[torch.Tensor], *, allow_mixed_dtypes: bool) -> None:
+    """Raises ValueError for a non-dense parameter, or several dtypes unless allowed.
+
+    Example:
+        >>> params = [torch.ones(1), torch.ones(1, dtype=torch.float64)]
+        >>> check_param_types(params, allow_mixed_dtypes=False)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: ZeroRedundancyOptimizer: expected parameters of one dtype ...
+    """
+    for i, p in enumerate(params):
+        if p.layout != torch.strided:
+            raise ValueError(
+                f"{API}: expected dense (strided) parameters, got parameter {i} with layout "
+                f"{p.layout}"
+            )
+    if allow_mixed_dtypes:
+        return
+    first = params[0].dtype
+    for p in params[1:]:
+        if p.dtype != first:
+            raise ValueError(
+                f"{API}: expected parameters of one dtype (pass allow_mixed_dtypes=True for one "
+                f"flat group per dtype), got {_name(first)} and {_name(p.dtype)}"
+            )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_rank(method: str, name: str, value: Any, world_size: int) -> None:
+    """Raises ValueError unless ``value`` is a rank of a group of ``world_size``.
+
+    Example:
+        >>> check_rank("consolidate_state_dict", "to", 2, 2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: ZeroRedundancyOptimizer.consolidate_state_dict: expected 0 <= to < ...
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world_size:
+        raise ValueError(
+            f"{API}.{method}: expected 0 <= {name} < world_size={world_size}, got {value!r}"
+        )
+
+
+def check_options(
+    optimizer_class: Any,
+    partition: Any,
+    *,
+    overlap_with_ddp: Any,
+    parameters_as_bucket_view: Any,
+    allow_mixed_dtypes: Any,
+) -> Partition:
+    """The validated partition; raises for a flat partition the optimizer cannot have.
+
+    Example:
+        >>> check_options(torch.optim.Adam, "flat", overlap_with_ddp=False,
+        ...               parameters_as_bucket_view=False, allow_mixed_dtypes=False)
+        <Partition.FLAT: 'flat'>
+    """
+    if not callable(optimizer_class):
+        raise TypeError(
+            f"{API}: expected a torch.optim.Optimizer class as optimizer_class, got "
+            f"{_kind(optimizer_class)}"
+        )
+    names = tuple(p.value for p in Partition)
+    if not isinstance(partition, str) or partition not in names:
+        raise ValueError(f"{API}: expected partition in {names}, got {partition!r}")
+    flags = {
+        "overlap_with_ddp": overlap_with_ddp,
+        "parameters_as_bucket_view": parameters_as_bucket_view,
+        "allow_mixed_dtypes": allow_mixed_dtypes,
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{API}: expected {name} to be a bool, got {_kind(value)}")
+    chosen = Partition(partition)
+    if chosen is Partition.FLAT:
+        if optimizer_class not in CORE_FACTORIES:
+            raise ValueError(
+                f"{API}: partition='flat' needs an elementwise optimizer, got "
+                f"{getattr(optimizer_class, '__name__', repr(optimizer_class))} (known: "
+                f"{', '.join(c.__name__ for c in CORE_FACTORIES)})"
+            )
+        if overlap_with_ddp:
+            raise ValueError(
+                f"{API}: overlap_with_ddp=True needs partition='greedy' (whole parameters per "
+                "rank, as DDP's buckets hold them), got partition='flat'"
+            )
+    return chosen
