@@ -40,9 +40,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over the three packages."""
+    """mypy over the three packages (strict about untyped definitions)."""
     _install(session, "ci/requirements-dev.txt")
-    session.run("mypy", "packages/core/src/shardopt/core")
+    session.run(
+        "mypy",
+        "packages/core/src/shardopt/core",
+        "packages/functional/src/shardopt/functional",
+        "packages/functional/src/shardopt/optim",
+        "packages/testing/src/shardopt/testing",
+    )
 
 
 @nox.session
