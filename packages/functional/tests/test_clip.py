@@ -42,7 +42,7 @@ def clipped_training(
         plan_partition(params, world, strategy=strategy),
         stage=stage,
         max_norm=1.0,
-        bucket_numel=16,
+        bucket_numel=16 * world,  # chunks of 16 elements per rank
     )
     state = sharded.init(params)
     ours, theirs = [], []

@@ -147,10 +147,10 @@ NAMES = {
     ("world", "strategy", "hooked", "bucket", "algorithm"),
     [
         (2, "flat", False, None, "collective"),
-        (3, "greedy", False, 8, "collective"),
-        (4, "flat", True, 16, "collective"),
+        (3, "greedy", False, 24, "collective"),  # bucket_numel / W: 8, 16, 8 elements per rank
+        (4, "flat", True, 64, "collective"),
         (3, "flat", True, None, "rooted"),
-        (4, "greedy", False, 8, "rooted"),
+        (4, "greedy", False, 32, "rooted"),
     ],
 )
 def test_stage2_moves_w_minus_1_over_w_of_the_gradients_and_of_the_params_and_nothing_else(

@@ -79,10 +79,10 @@ def train_with_hooks(
 @pytest.mark.parametrize(
     ("world", "strategy", "bucket", "micro", "algorithm"),
     [
-        (2, "flat", None, 1, "collective"),
-        (2, "greedy", 64, 1, "rooted"),
-        (3, "flat", 32, 2, "rooted"),
-        (4, "flat", 16, 1, "collective"),
+        (2, "flat", None, 2, "collective"),  # one chunk per group: one staging buffer
+        (2, "greedy", 128, 1, "rooted"),  # bucket_numel / W: 64, 32, 16 elements per rank
+        (3, "flat", 96, 2, "rooted"),
+        (4, "flat", 64, 1, "collective"),
     ],
 )
 def test_hooks_match_torch_on_the_full_batch_and_free_every_gradient(

@@ -155,7 +155,8 @@ def equivalence_table(
 ) -> list[tuple[str, str, list[float], bool]]:
     rows = []
     for name in names:
-        # small buckets: many chunks, pieces cut at chunk ends; both collective algorithms
+        # a tiny bucket: chunks of one align (16 elements per rank) in the flat plan, so many
+        # chunks and pieces cut at chunk ends; both collective algorithms
         for strategy, bucket, algorithm in (("flat", 8, "collective"), ("greedy", None, "rooted")):
             errors, bitwise = run_case(rank, world, name, stage, strategy, bucket, algorithm)
             rows.append((name, strategy, errors, bitwise))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardopt.core import adamw, plan_partition
-from shardopt.functional import register_grad_hooks, shard
+from shardopt.functional import DEFAULT_BUCKET_NUMEL, register_grad_hooks, shard
 from shardopt.testing import spawn
 from shardopt.testing._cli import main
 from shardopt.testing._cli_measure import count_collectives, measure_ddp, measure_sharded
@@ -20,7 +20,9 @@ from shardopt.testing._plan_cli_cost import RankBytes, Setup, Traffic, predict
 from shardopt.testing._plan_cli_source import load_params, params_of
 
 # (setup, strategy, master dtype, bucket_numel, algorithm): every kind of group, chunking,
-# staging and collective.
+# staging and collective. bucket_numel counts all ranks: 8 and 16 chunk the greedy groups at
+# every W and the flat ones (chunks of one align, 16 per rank) at W = 2 and 3, and leave one
+# chunk (one staging buffer in stage 2) where the whole buffer is one align per rank.
 CONFIGS = [
     (Setup.DDP, "flat", None, None, "collective"),
     (Setup.STAGE1, "flat", None, None, "collective"),
@@ -130,6 +132,17 @@ def test_stage2_saves_gradients_and_state_but_not_traffic_against_ddp():
     assert stage2.traffic.sent(8) == pytest.approx(ddp.traffic.sent(8), rel=1e-4)
 
 
+@pytest.mark.parametrize("setup", [Setup.STAGE1, Setup.STAGE2])
+def test_staging_is_bounded_by_the_bucket_at_every_world_size(setup):
+    """gpt2-xl's float32 staging: two buffers of at most DEFAULT_BUCKET_NUMEL elements, from 8 to
+    1024 ranks (with a per-rank bucket, stage 2 held twice the full gradients at W = 1024)."""
+    params = load_params("gpt2-xl")
+    bound = 2 * DEFAULT_BUCKET_NUMEL * 4
+    for w in (8, 64, 1024):
+        p = predict(params, w, setup, bucket_numel=DEFAULT_BUCKET_NUMEL)
+        assert 0 < p.max_rank().buffers <= bound, w
+
+
 @pytest.mark.parametrize(
     ("preset", "tensors", "numel"),
     [
@@ -162,7 +175,9 @@ def test_plan_json_holds_the_exact_bytes(capsys):
     )
     data = json.loads(capsys.readouterr().out)
     (entry,) = data["results"]
-    expected = predict(load_params("gpt2-small"), 4, Setup.STAGE1, bucket_numel=1 << 22)
+    expected = predict(
+        load_params("gpt2-small"), 4, Setup.STAGE1, bucket_numel=DEFAULT_BUCKET_NUMEL
+    )
     assert entry["max_rank_total"] == max(r.total for r in expected.ranks)
     assert entry["traffic"]["all_gather_bytes"] == expected.traffic.all_gather
     assert data["parameters"] == 124_439_808

@@ -23,8 +23,11 @@ __all__ = ["GradHooks", "GradReducer", "register_grad_hooks"]
 # A chunk (elements [start, stop) of every rank's slice of a group) is reduced by one
 # reduce-scatter: its W blocks are packed from the gradients into a staging buffer (zeros where
 # a gradient is missing or the layout has padding), summed over ranks in place, divided by W and
-# copied into the persistent gradient shard of the rank. Two staging buffers per group let the
-# packing of a chunk overlap the reduction of the previous one; a chunk never needs more.
+# copied into the persistent gradient shard of the rank. A group of several chunks has two
+# staging buffers, used in turn, so that the packing of a chunk overlaps the reduction of the
+# previous one (a chunk never needs more); a group of one chunk has one, and its reduction
+# overlaps the packing of the next group's. Either way a staging buffer is bounded by
+# ``bucket_numel``, not by the world size (see [Note: bucket size]).
 #
 # Collectives must be entered in the same order on every rank, whatever order gradients arrive
 # in. So chunks are launched in one fixed order (the last chunk first: backward produces the last
@@ -212,11 +215,11 @@ class GradReducer:
     def _launch(self, k: int, grad_of: Callable[[int], torch.Tensor | None]) -> None:
         cp = self.copies[k]
         g, n = cp.chunk.group, cp.chunk.numel
-        slot = self._next_slot[g]
-        self._next_slot[g] ^= 1
-        self._queue.release((g, slot))  # in launch order: completions stay ordered
         buffers = self.staging[g]
         assert buffers is not None  # a stage 2 layout stages every group
+        slot = self._next_slot[g]
+        self._next_slot[g] = (slot + 1) % len(buffers)
+        self._queue.release((g, slot))  # in launch order: completions stay ordered
         staging = buffers[slot, : self.world * n]
         grads = {t: grad_of(t) for t in cp.tensors}
         if not cp.dense or any(v is None for v in grads.values()):

@@ -9,7 +9,7 @@ import torch
 
 from shardopt.core import Piece, Plan
 
-__all__ = ["Chunk", "FlatLayout", "build_layout", "make_chunks"]
+__all__ = ["Chunk", "FlatLayout", "build_layout", "chunk_width", "make_chunks"]
 
 # [Note: flat storage]
 # ``init`` copies each parameter into its place in the flat buffer of its plan group and sets
@@ -21,6 +21,18 @@ __all__ = ["Chunk", "FlatLayout", "build_layout", "make_chunks"]
 # full-size copy. A bucketed all-gather (a chunk of every slice) cannot be in place, because the
 # chunks of the W slices are not adjacent; it goes through a staging buffer of W chunks (the
 # broadcasts of the ROOTED algorithm are in place, see [Note: collective algorithms]).
+#
+# [Note: bucket size]
+# ``bucket_numel`` is the size of one collective's whole buffer, all ranks together: a group's
+# flat buffer of at most ``bucket_numel`` elements is one chunk (gathered in place), a larger one
+# is cut into chunks of ``bucket_numel // W`` elements per rank, rounded down to a multiple of the
+# plan's ``align`` (at least ``align``), so every chunk of a flat plan starts aligned like the
+# slices ([Note: default alignment] in shardopt.core) at any W, powers of two or not. A staging
+# buffer holds W chunks, so it is at most ``bucket_numel`` elements whatever W is (or ``W *
+# align`` when ``bucket_numel`` is smaller than that). Per rank and element the traffic is the
+# same however the buffer is cut; only the number of calls grows as the buffers shrink. A
+# per-rank size instead would make the staging grow with W: ``2 * W * bucket`` elements, e.g. two
+# full gradient copies of gpt2-xl per rank at W = 1024 for a gradient shard of 6 MiB.
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +53,40 @@ class Chunk:
         return self.stop - self.start
 
 
+def chunk_width(plan: Plan, shard_numel: int, bucket_numel: int | None) -> int:
+    """Elements per rank of each chunk of a group whose slices have ``shard_numel`` elements.
+
+    See [Note: bucket size]: the whole slice if the group's buffer fits in ``bucket_numel``,
+    else ``bucket_numel // world_size`` rounded down to a multiple of ``plan.align`` (at least
+    ``plan.align``).
+
+    Example:
+        >>> from shardopt.core import plan_partition
+        >>> plan = plan_partition([((1000,), "float32")], 4, align=16)
+        >>> chunk_width(plan, 256, None), chunk_width(plan, 256, 1024), chunk_width(plan, 256, 200)
+        (256, 256, 48)
+    """
+    if bucket_numel is None or plan.world_size * shard_numel <= bucket_numel:
+        return shard_numel
+    align = plan.align
+    return max(align, bucket_numel // plan.world_size // align * align)
+
+
 def make_chunks(plan: Plan, bucket_numel: int | None) -> tuple[Chunk, ...]:
-    """Splits every group's slice into chunks of at most ``bucket_numel`` elements per rank.
+    """Splits every group's slice into chunks of :func:`chunk_width` elements (the last shorter).
+
+    ``bucket_numel`` counts the elements of one collective over all ranks
+    ([Note: bucket size]); None makes one chunk per group.
 
     Example:
         >>> from shardopt.core import plan_partition
         >>> plan = plan_partition([((10,), "float32")], 2, align=1)
-        >>> [(c.start, c.stop) for c in make_chunks(plan, 2)]
+        >>> [(c.start, c.stop) for c in make_chunks(plan, 4)]
         [(0, 2), (2, 4), (4, 5)]
     """
     chunks = []
     for g, group in enumerate(plan.groups):
-        size = group.shard_numel if bucket_numel is None else bucket_numel
+        size = chunk_width(plan, group.shard_numel, bucket_numel)
         for start in range(0, group.shard_numel, max(size, 1)):
             chunks.append(Chunk(g, start, min(start + size, group.shard_numel)))
     return tuple(chunks)
@@ -64,8 +98,9 @@ class FlatLayout:
 
     ``buffers[g]`` is the flat buffer of ``plan.groups[g]`` (``padded_numel`` elements, the
     parameters are views of it); ``pieces`` is ``plan.pieces(rank)``; ``chunks`` the collectives
-    of one parameter sync (or gradient reduction), ordered by (group, start); ``staging[g]`` two
-    buffers of ``world_size`` chunks each for the collectives that cannot be in place, or None.
+    of one parameter sync (or gradient reduction), ordered by (group, start); ``staging[g]``
+    the buffers of ``world_size`` chunks for the collectives that cannot be in place (two, used
+    in turn, for a group of several chunks; one for a group of one chunk), or None.
     """
 
     plan: Plan
@@ -158,5 +193,6 @@ def build_layout(
     for g, buf in enumerate(buffers):
         widths = [c.numel for c in chunks if c.group == g]
         make = widths and needs_staging(buf.device, len(widths) > 1)
-        staging.append(buf.new_zeros((2, plan.world_size * max(widths))) if make else None)
+        slots = 2 if len(widths) > 1 else 1  # two let a chunk's packing overlap the previous one
+        staging.append(buf.new_zeros((slots, plan.world_size * max(widths))) if make else None)
     return FlatLayout(plan, rank, tuple(buffers), plan.pieces(rank), chunks, tuple(staging))

@@ -31,8 +31,14 @@ from shardopt.functional._validate import (
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "ShardOptions", "ShardedTransformation", "Stage", "shard"]
 
-# Elements per rank and collective: 16 MiB of float32. Smaller groups are gathered in place.
-DEFAULT_BUCKET_NUMEL = 1 << 22
+# [Note: default bucket size]
+# ``bucket_numel`` counts one collective's elements over all ranks ([Note: bucket size]). 1 << 24
+# is 64 MiB of float32 (32 MiB of bfloat16) per call: past the sizes where NCCL's all-gathers
+# and reduce-scatters reach most of their bandwidth (DDP's buckets are 25 MiB), small enough that
+# a chunked group's two staging buffers stay at 128 MiB of float32 per rank at any world size,
+# and a group of up to 16M elements (a small model's whole buffer) is gathered in place, in one
+# call and with no staging in stage 1.
+DEFAULT_BUCKET_NUMEL = 1 << 24
 
 
 class Stage(enum.IntEnum):
@@ -129,9 +135,11 @@ def shard(
         plan: from ``plan_partition(params, world_size)``, the same on every rank.
         group: the process group (None: the default group).
         stage: 1 (optimizer state sharded) or 2 (gradients too).
-        bucket_numel: elements per rank of one collective; a group's slice above it is split into
-            chunks that go through staging buffers, and pipelined with the update. None: one
-            collective per group.
+        bucket_numel: elements of one collective, all ranks together (its staging buffer): a
+            group whose flat buffer is larger is split into chunks of ``bucket_numel //
+            world_size`` elements per rank (aligned as the plan), which go through staging
+            buffers and are pipelined with the update; see [Note: bucket size] and
+            [Note: default bucket size]. None: one collective per group.
         master_dtype: e.g. ``torch.float32``: keep master weights and optimizer state of the
             lower-precision groups (bfloat16, float16) in this dtype; parameters are gathered in
             their own dtype.

@@ -25,10 +25,10 @@ __all__ = ["gather_chunk", "gather_params", "update_and_gather"]
 # pieces at a time, group by group; after each bucket, the chunks whose every element is now up
 # to date are all-gathered asynchronously, so the gather of chunk k runs while the pieces of
 # chunk k + 1 are updated. A piece that straddles a chunk boundary is updated whole with the
-# earlier chunk (a piece is the unit of the update: its step count must advance once). With one
-# chunk per group (the default for groups up to ``bucket_numel`` elements per rank) the gather is
-# in place and group g's gather overlaps group g + 1's update. A state with tensors outside its
-# per-piece fields cannot be cut by pieces; it is updated in one call, then gathered.
+# earlier chunk (a piece is the unit of the update: its step count must advance once). A group
+# whose flat buffer has at most ``bucket_numel`` elements is one chunk ([Note: bucket size]): its
+# gather is in place and group g's gather overlaps group g + 1's update. A state with tensors
+# outside its per-piece fields cannot be cut by pieces; it is updated in one call, then gathered.
 
 
 def gather_chunk(
@@ -38,7 +38,7 @@ def gather_chunk(
     group: ProcessGroup,
     algorithm: Algorithm | str = Algorithm.AUTO,
 ) -> None:
-    """Launches the all-gather of ``layout.chunks[k]`` (two staging slots per group, in turn).
+    """Launches the all-gather of ``layout.chunks[k]`` (its group's staging slots in turn).
 
     The last chunk runs synchronously: nothing is left to overlap it with, and a blocking call
     costs less than an asynchronous one (gloo hands those to a worker thread).
@@ -47,8 +47,8 @@ def gather_chunk(
     shard_numel = layout.plan.groups[c.group].shard_numel
     whole = (c.start, c.stop) == (0, shard_numel)
     staging, buffers = None, layout.staging[c.group]
+    slot = k % (2 if buffers is None else len(buffers))
     if not whole and buffers is not None:
-        slot = k % 2
         queue.release((c.group, slot))
         staging = buffers[slot]
     pending = all_gather_params(
@@ -60,7 +60,7 @@ def gather_chunk(
         async_op=k < len(layout.chunks) - 1,
         algorithm=algorithm,
     )
-    queue.push((c.group, k % 2), pending)
+    queue.push((c.group, slot), pending)
 
 
 def gather_params(

@@ -18,7 +18,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from shardopt.core import adam, plan_partition
-from shardopt.functional import FieldKind, register_grad_hooks, shard
+from shardopt.functional import (
+    consolidate_state_dict,
+    register_grad_hooks,
+    shard,
+    torch_hyperparams,
+)
 from shardopt.testing._cli_measure import PeakMemory, count_collectives
 from shardopt.testing._cli_models import GPT, GPTConfig, build_mlp_stack
 from shardopt.testing._cli_torch import zero_redundancy_optimizer
@@ -33,9 +38,12 @@ __all__ = ["MODELS", "BenchConfig", "Variant", "VariantResult", "bench_rank"]
 # activations); then ``warmup + iters`` iterations, each after a barrier, timing forward +
 # backward and ``step()`` apart (the iteration is their sum: gradient sync happens in backward
 # for DDP and stage 2, in ``step`` for stage 1's gather and ZeRO's broadcasts); then one
-# iteration with the collectives counted; then a consolidation, timed. Times are medians over
-# the timed iterations of each rank, then the slowest rank. DDP runs with the Python
-# ``allreduce_hook`` so that its all-reduce is counted (the same collective as its built-in).
+# iteration with the collectives counted; then a consolidation, timed: the full optimizer state
+# as a ``torch.optim.Adam`` state dict on rank 0 (torch's ZeRO: ``consolidate_state_dict(to=0)``
+# on every rank, then ``state_dict()`` on rank 0; shardopt: ``consolidate_state_dict(state,
+# hyperparameters, to=0)``), the slowest rank's time. Times are medians over the timed
+# iterations of each rank, then the slowest rank. DDP runs with the Python ``allreduce_hook`` so
+# that its all-reduce is counted (the same collective as its built-in).
 
 
 class Variant(enum.Enum):
@@ -117,6 +125,7 @@ class _Runner:
             plan = plan_partition(self.params, self.world)
             stage = 2 if variant is Variant.STAGE2 else 1
             self.sharded = shard(adam(config.lr), plan, stage=stage)
+            self.hyperparams = torch_hyperparams(torch.optim.Adam, lr=config.lr)
             self.state = self.sharded.init(self.params)
             if variant is Variant.STAGE2:
                 self.hooks = register_grad_hooks(self.params, self.state)
@@ -138,7 +147,8 @@ class _Runner:
         gen = torch.Generator().manual_seed(1000 * i + self.rank)
         s = self.spec
         if s.length == 0:
-            return torch.randn(s.batch, s.width, generator=gen), torch.randn(s.batch, s.width)
+            x = torch.randn(s.batch, s.width, generator=gen)
+            return x, torch.randn(s.batch, s.width, generator=gen)
         tokens = torch.randint(0, s.width, (s.batch, s.length + 1), generator=gen)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -160,38 +170,23 @@ class _Runner:
             self.state = self.sharded.step(self.params, None, self.state)
 
     def consolidate(self) -> float | None:
-        """Seconds to bring the whole optimizer state to rank 0 (None: every rank has it)."""
+        """Seconds of :meth:`state_dict_on_0` (None for DDP + Adam: every rank has the state)."""
+        if self.variant is Variant.DDP_ADAM:
+            return None
         dist.barrier()
         start = time.perf_counter()
-        if self.variant is Variant.DDP_ZERO:
-            self.opt.consolidate_state_dict(to=0)
-        elif self.state is not None:
-            gather_flat_state(self.state)
-        else:
-            return None
+        self.state_dict_on_0()
         return time.perf_counter() - start
 
-
-def gather_flat_state(state: Any) -> list[list[torch.Tensor]]:
-    """Gathers every flat state tensor of a ShardedState (moments, counts, master weights) on
-    rank 0, one ``gather`` each; rank 0 gets the W shards of each, the others ``[]``.
-
-    This is the data movement of a consolidation; turning the shards into a ``torch.optim``
-    state dict is local work on rank 0 (shardopt.functional has no consolidation yet).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tensors = [(b, f.kind) for f in state.fields for b in f.buffers]
-    tensors += [(m, FieldKind.ELEMENTWISE) for m in state.master if m is not None]
-    out = []
-    for t, kind in tensors:
-        if kind is FieldKind.PER_PIECE:  # one value per piece: pad to the largest rank's count
-            n = torch.tensor([t.numel()])
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-            t = torch.cat([t, t.new_zeros(int(n) - t.numel())])
-        shards = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
-        dist.gather(t, shards, dst=0)
-        out.append(shards or [])
-    return out
+    def state_dict_on_0(self) -> dict[str, Any] | None:
+        """The full optimizer state as a torch.optim.Adam state dict on rank 0 (None elsewhere),
+        by torch's ZeRO or shardopt's consolidation; see [Note: bench protocol]."""
+        if self.variant is Variant.DDP_ZERO:
+            self.opt.consolidate_state_dict(to=0)
+            return self.opt.state_dict() if self.rank == 0 else None
+        if self.state is not None:
+            return consolidate_state_dict(self.state, self.hyperparams, to=0)
+        return self.opt.state_dict() if self.rank == 0 else None
 
 
 def run_variant(name: str, variant: Variant, config: BenchConfig, rank: int) -> VariantResult:

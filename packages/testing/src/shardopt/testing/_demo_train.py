@@ -52,7 +52,10 @@ class DemoConfig:
     weight_decay: float = 0.01
     corpus_bytes: int = 300_000
     sample_chars: int = 120
-    bucket_numel: int | None = 4096
+    # Elements of one collective, all ranks together: with the default model (110K parameters)
+    # 14 chunks, pipelined with the update, and 64 KiB of staging per rank at any world size
+    # (the default bucket would hold the whole model: stage 2 staging as large as its gradients).
+    bucket_numel: int | None = 8192
     seed: int = 0
     device: str = "cpu"
     out: str | None = "out/demo.png"

@@ -29,8 +29,8 @@ _ASSUMPTIONS = (
     "reduce-scatter and all-gather (W-1)/W",
 )
 _CALLS = {
-    "collective": "one all-gather / reduce-scatter per chunk of --bucket-numel elements per rank "
-    "(--algorithm collective)",
+    "collective": "one all-gather / reduce-scatter per group, or per chunk of --bucket-numel "
+    "elements (all ranks together) (--algorithm collective)",
     "rooted": "one broadcast / reduce per rank and chunk (--algorithm rooted: shard()'s choice for "
     "CPU tensors on gloo)",
 }
@@ -245,8 +245,8 @@ def _add_dtype_options(p: argparse.ArgumentParser) -> None:
         "--bucket-numel",
         type=int,
         default=DEFAULT_BUCKET_NUMEL,
-        help="elements per rank and collective, as shard()'s; 0: one per group "
-        f"(default: {DEFAULT_BUCKET_NUMEL})",
+        help="elements of one collective, all ranks together (bounds the staging buffers), as "
+        f"shard()'s; 0: one per group (default: {DEFAULT_BUCKET_NUMEL})",
     )
     p.add_argument(
         "--algorithm",

@@ -36,8 +36,12 @@ __all__ = [
 #   lower-precision group, whose moments are then in the master dtype. Stage 1 holds the full
 #   gradients (``.grad``, what DDP averaged); stage 2 holds its ``shard_numel`` gradient shard
 #   per group (gradient hooks free the full gradients during backward). Buffers are the
-#   collectives' staging: two of ``world_size * chunk`` elements per group that is split into
-#   several chunks of ``bucket_numel`` (and, in stage 2, per group: the reduce-scatter packs).
+#   collectives' staging. A group whose flat buffer exceeds ``bucket_numel`` (elements of one
+#   collective, all ranks together) is cut into chunks of ``bucket_numel // world_size``
+#   elements per rank, rounded down to a multiple of the plan's align (at least align), and has
+#   two staging buffers of ``world_size`` chunks unless the rooted calls gather it in place
+#   (stage 1); in stage 2 every group packs its gradients for the reduction, so a group of one
+#   chunk has one staging buffer as large as its flat buffer.
 #
 # Transients (activations, a gradient alive between its computation and its reduction, the
 # temporary of a bucketed copy) are not counted: they depend on the model's forward, not on the
@@ -197,11 +201,14 @@ def pieces_per_rank(plan: Plan) -> list[int]:
     return counts
 
 
-def _chunks(shard_numel: int, bucket_numel: int | None) -> tuple[int, int]:
+def _chunks(plan: Plan, shard_numel: int, bucket_numel: int | None) -> tuple[int, int]:
     """(number of chunks, widest chunk) of a group's slice (shardopt.functional's rule)."""
     if shard_numel == 0:
         return 0, 0
-    width = shard_numel if bucket_numel is None else min(bucket_numel, shard_numel)
+    width = shard_numel
+    if bucket_numel is not None and plan.world_size * shard_numel > bucket_numel:
+        width = max(plan.align, bucket_numel // plan.world_size // plan.align * plan.align)
+    width = min(width, shard_numel)
     return -(-shard_numel // width), width
 
 
@@ -222,10 +229,10 @@ def _predict_sharded(
         shards += g.shard_numel * size
         state += 2 * g.shard_numel * (m or size)
         master_bytes += g.shard_numel * (m or 0)
-        n, width = _chunks(g.shard_numel, bucket_numel)
+        n, width = _chunks(plan, g.shard_numel, bucket_numel)
         chunks += n
         if (n > 1 and not rooted) or (n and stage is Setup.STAGE2):
-            staging += 2 * w * width * size
+            staging += (2 if n > 1 else 1) * w * width * size
     full_grads = sum(p.spec.nbytes for p in params if p.trainable)
     grads = shards if stage is Setup.STAGE2 else full_grads
     ranks = tuple(
@@ -265,7 +272,7 @@ def predict(
         >>> params = [ParamSpec("w", TensorSpec((10, 10), "float32", "cpu"))]
         >>> p = predict(params, 4, Setup.STAGE2)
         >>> p.ranks[0], p.traffic.sent(4)
-        (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=1024), 768)
+        (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
     """
     if algorithm not in ("collective", "rooted"):
         raise ValueError(f"plan: expected algorithm collective or rooted, got {algorithm!r}")
