@@ -17,6 +17,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from shardopt.testing._modules import ModuleSource, dumps_with_sources, loads_with_sources
+
 __all__ = [
     "TorchrunEnv",
     "launch",
@@ -122,8 +124,8 @@ def leave_torchrun_worker(status: int) -> NoReturn:
 
 
 def _rank_main(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    payload: bytes,
+    sources: tuple[ModuleSource, ...],
     rank: int,
     world_size: int,
     backend: str,
@@ -137,6 +139,7 @@ def _rank_main(
     delta = datetime.timedelta(seconds=timeout)
     joined = False
     try:
+        fn, args = loads_with_sources(payload, sources)  # test-file functions load by path
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=delta)
@@ -184,6 +187,7 @@ def launch(
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"{api}: expected world size >= 1, got {world_size!r}")
     context = _context()
+    payload, sources = dumps_with_sources((fn, args))
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -195,7 +199,17 @@ def launch(
             mine, theirs = context.Pipe(duplex=False)
             proc = context.Process(
                 target=_rank_main,
-                args=(fn, args, rank, world_size, backend, store.port, timeout, threads, theirs),
+                args=(
+                    payload,
+                    sources,
+                    rank,
+                    world_size,
+                    backend,
+                    store.port,
+                    timeout,
+                    threads,
+                    theirs,
+                ),
                 name=f"shardopt-rank-{rank}",
                 daemon=True,
             )
