@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardopt.core import Plan
+from shardopt.core import Piece, Plan
 from shardopt.functional._checkpoint_keys import (
     FieldKeys,
     field_keys,
@@ -17,23 +17,35 @@ from shardopt.functional._checkpoint_keys import (
     piece_value,
 )
 from shardopt.functional._collectives import ProcessGroup, comm_device
-from shardopt.functional._state import FieldKind, ShardedState, StateField
+from shardopt.functional._state import FieldKind, ShardedState
 
 __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
 
 Hyperparams = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 
 # [Note: consolidation by gathers]
-# Rank ``to`` needs, per parameter and state key, the full tensor. ELEMENTWISE fields already sit
-# in flat buffers laid out like the parameters, so one ``gather`` per (plan group, dtype) of the
-# rank's field buffers stacked as rows brings every rank's slice to ``to``, where tensor t of the
-# group is elements ``[offset, offset + numel)`` of the rank-major concatenation (padding is
-# skipped). PER_PIECE values (counts, NAdam's mu_product) travel as one (fields x tensors) float64
-# matrix per rank, each rank filling the columns of the tensors whose first element it owns
-# (float64 holds float32 counts exactly); the root reads column t from that owner. So the whole
-# consolidation is a few tensor gathers, on the CPU under gloo (which has no CUDA gather) and on
-# the CUDA device under NCCL ([Note: collective algorithms]); nothing is pickled. Every check
-# runs before the first gather, on every rank alike, so a bad argument raises everywhere.
+# Rank ``to`` must end up holding the S bytes of the result; the aim is to hold little besides.
+# It allocates every entry first (each tensor contiguous, with a storage of its own), then fills
+# the ELEMENTWISE ones one field of one plan group at a time. Rank r's shard (``shard_numel``
+# elements) is elements ``[r * shard_numel, (r + 1) * shard_numel)`` of the group's flat buffer,
+# and ``Plan.pieces(r)`` says which entry each of its elements belongs to (padding belongs to
+# none). Shards travel in windows of 1 / (2 W) shard: each of 2 W gathers brings one window of
+# every rank's shard into a staging buffer of W windows (half a shard), whose rows are copied
+# into the entries. Why windows: gloo's gather stages its whole result in a hidden buffer before
+# copying it into the outputs (measured: the peak is twice the output), so one gather per field
+# would hold the whole field twice besides S; with windows, staging and gloo's copy of it hold
+# one shard (<= S / W; gloo frees its copy on its own thread, at times a window late): the peak
+# is S plus one field shard (NCCL's gather writes into the outputs: S plus half a shard). The
+# cost, 2 W gathers per field and plan group instead of one, is small next to the bytes at the
+# world sizes gloo runs (measured at W = 2 and 4: faster than point-to-point sends to ``to`` one
+# rank at a time). Why not views into a gathered buffer: pickle (``broadcast_object_list``) and
+# ``torch.save`` of one entry would write the view's whole storage. PER_PIECE values (counts,
+# NAdam's mu_product) travel first, as one (fields x tensors) float64 matrix per rank, each rank
+# filling the columns of the tensors whose first element it owns (float64 holds float32 counts
+# exactly); rank ``to`` reads column t from that owner, and the counts decide which parameters
+# get an entry. The gathers run on the CPU under gloo (it has no CUDA gather) and on the CUDA
+# device under NCCL ([Note: collective algorithms]); nothing is pickled. Every check runs before
+# the first gather, on every rank alike, so a bad argument raises everywhere.
 
 
 def torch_hyperparams(optimizer: type[torch.optim.Optimizer], **kwargs: Any) -> dict[str, Any]:
@@ -64,7 +76,8 @@ def consolidate_state_dict(
     rank ``to`` gets ``{"state": {index: {"step": ..., "exp_avg": ..., ...}}, "param_groups":
     [{..., "params": [indices]}]}`` with the keys of [Note: torch state keys], the others None.
     Parameters that never had a gradient get no entry (as in torch; every parameter for
-    Adagrad). Tensors are on the device of the gather (the CPU under gloo).
+    Adagrad). Tensors are on the device of the gathers (the CPU under gloo), each contiguous
+    with a storage of its own.
 
     Args:
         state: a state of one of the ten core optimizers (anything else raises ValueError).
@@ -100,27 +113,12 @@ def consolidate_state_dict(
     keys = field_keys(state, api, torch_only=True)
     key_of = param_keys(api, plan, names)
     groups = param_group_dicts(api, plan, param_groups, key_of)
-    flats = _gather_elementwise(state, keys, to, group)
     scalars = _gather_scalars(state, keys, to, group)
-    if rank != to:
+    entries = _empty_entries(state, keys, scalars, comm_device(group)) if rank == to else None
+    _gather_elementwise(state, keys, entries, to, group)
+    if entries is None:
         return None
-    where = tensor_locations(plan)
-    out: dict[Hashable, dict[str, torch.Tensor]] = {}
-    for t, spec in enumerate(plan.tensors):
-        count = scalars[keys.count.path][t] if keys.count is not None else None
-        if spec.numel == 0 or not has_state(keys, count):
-            continue
-        g, offset = where[t]
-        entry = {}
-        for field, key, in_torch in keys.entries:
-            if not in_torch:
-                continue
-            if field.kind is FieldKind.PER_PIECE:
-                entry[key] = scalars[field.path][t].to(field.buffers[g].dtype, copy=True)
-            else:
-                flat = flats[field.path][g]
-                entry[key] = flat[offset : offset + spec.numel].view(spec.shape).clone()
-        out[key_of[t]] = entry
+    out = {key_of[t]: entry for t, entry in entries.items()}
     return {"state": out, "param_groups": groups}
 
 
@@ -183,27 +181,93 @@ def _gather_rows(rows: torch.Tensor, to: int, group: ProcessGroup) -> torch.Tens
     send = rows.to(comm_device(group)).contiguous()
     if world == 1:
         return send.unsqueeze(0)
-    bins = [torch.empty_like(send) for _ in range(world)] if rank == to else None
-    dist.gather(send, bins, group_dst=to, group=group)
-    return torch.stack(bins) if bins is not None else None
+    out = send.new_empty((world, *send.shape)) if rank == to else None
+    dist.gather(send, None if out is None else list(out.unbind(0)), group_dst=to, group=group)
+    return out
+
+
+def _windows(
+    buf: torch.Tensor, to: int, group: ProcessGroup
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """On rank ``to``: (rank r, offset lo, elements ``[lo, lo + len)`` of r's ``buf``), covering
+    every rank's ``buf``, each valid until the next is asked for; elsewhere nothing. Collective
+    (2 W gathers, see [Note: consolidation by gathers]): every rank must exhaust it."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flat = buf.to(comm_device(group)).reshape(-1)
+    if world == 1:
+        yield 0, 0, flat
+        return
+    chunk = max(1, -(-flat.numel() // (2 * world)))
+    staging = flat.new_empty(world * chunk) if rank == to else None
+    for lo in range(0, flat.numel(), chunk):
+        send = flat[lo : lo + chunk]
+        rows = None if staging is None else staging[: world * send.numel()].view(world, -1)
+        dist.gather(send, None if rows is None else list(rows.unbind(0)), group_dst=to, group=group)
+        for r, row in enumerate(rows if rows is not None else ()):
+            yield r, lo, row
+
+
+def _empty_entries(
+    state: ShardedState, keys: FieldKeys, scalars: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Rank ``to``'s entry of every plan tensor that has one: PER_PIECE values set, ELEMENTWISE
+    tensors allocated on ``device`` (for :func:`_gather_elementwise` to fill)."""
+    plan = state.layout.plan
+    where = tensor_locations(plan)
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for t, spec in enumerate(plan.tensors):
+        count = scalars[keys.count.path][t] if keys.count is not None else None
+        if spec.numel == 0 or not has_state(keys, count):
+            continue
+        g = where[t][0]
+        entry = {}
+        for field, key, in_torch in keys.entries:
+            if not in_torch:
+                continue
+            dtype = field.buffers[g].dtype
+            if field.kind is FieldKind.PER_PIECE:
+                entry[key] = scalars[field.path][t].to(dtype, copy=True)
+            else:
+                entry[key] = torch.empty(spec.shape, dtype=dtype, device=device)
+        out[t] = entry
+    return out
 
 
 def _gather_elementwise(
-    state: ShardedState, keys: FieldKeys, to: int, group: ProcessGroup
-) -> dict[str, list[torch.Tensor]]:
-    """On ``to``: every ELEMENTWISE torch field's full (padded) flat buffer per plan group."""
-    fields = [f for f, _, t in keys.entries if t and f.kind is FieldKind.ELEMENTWISE]
-    out: dict[str, list[torch.Tensor]] = {f.path: [] for f in fields}
-    for g in range(len(state.layout.plan.groups)):
-        by_dtype: dict[torch.dtype, list[StateField]] = {}
-        for f in fields:
-            by_dtype.setdefault(f.buffers[g].dtype, []).append(f)
-        for same in by_dtype.values():
-            gathered = _gather_rows(torch.stack([f.buffers[g] for f in same]), to, group)
-            for i, f in enumerate(same):
-                if gathered is not None:  # on rank ``to``
-                    out[f.path].append(gathered[:, i].reshape(-1))
-    return out
+    state: ShardedState,
+    keys: FieldKeys,
+    entries: Mapping[int, Mapping[str, torch.Tensor]] | None,
+    to: int,
+    group: ProcessGroup,
+) -> None:
+    """Fills the ELEMENTWISE tensors of ``entries`` (rank ``to``'s; None elsewhere) from every
+    rank's field shards, one field of one plan group at a time."""
+    plan = state.layout.plan
+    fields = [(f, key) for f, key, t in keys.entries if t and f.kind is FieldKind.ELEMENTWISE]
+    targets = entries if entries is not None else {}
+    owned = [plan.pieces(r) for r in range(plan.world_size)] if entries is not None else []
+    for g in range(len(plan.groups)):
+        pieces = [[p for p in mine if p.group == g] for mine in owned]
+        for f, key in fields:
+            _copy_pieces(_windows(f.buffers[g], to, group), pieces, key, targets)
+
+
+def _copy_pieces(
+    windows: Iterator[tuple[int, int, torch.Tensor]],
+    pieces: Sequence[Sequence[Piece]],
+    key: str,
+    targets: Mapping[int, Mapping[str, torch.Tensor]],
+) -> None:
+    """Copies what each (rank r, offset lo, window of r's shard) holds of ``pieces[r]`` into
+    ``targets[t][key]`` (a function of its own: the last window is freed when it returns)."""
+    for r, lo, window in windows:
+        hi = lo + window.numel()
+        for p in pieces[r]:
+            entry = targets.get(p.tensor)
+            a, b = max(p.offset, lo), min(p.offset + p.stop - p.start, hi)
+            if entry is not None and a < b:
+                dst = entry[key].view(-1)
+                dst[p.start + a - p.offset : p.start + b - p.offset].copy_(window[a - lo : b - lo])
 
 
 def _gather_scalars(
