@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shardopt.testing import spawn
+
+# Plain helpers that several test modules share live in _functional_helpers.py, importable
+# because this folder is put on sys.path: see [Note: shared test helpers] in the core tests'
+# conftest.py.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture

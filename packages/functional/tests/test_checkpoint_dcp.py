@@ -20,6 +20,8 @@ from shardopt.functional import (
     torch_hyperparams,
 )
 
+from _functional_helpers import rel_error, seeded_params, sixty_fourths, state_equal
+
 F32, F64 = torch.float32, torch.float64
 # Mixed dtypes, a 0-d parameter, and shapes that flat plans cut across ranks (so that saved
 # tensors are written as several boxes per rank, see [Note: DCP pieces]). Tensor 3 is frozen.
@@ -62,19 +64,13 @@ RESUMED = {
 
 
 def initial_params() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=gen, dtype=F64).to(d) for s, d in SHAPES]
+    return seeded_params(SHAPES)
 
 
 def grads(step: int) -> list[torch.Tensor | None]:
     """The gradients of ``step``, the same on every rank: multiples of 1/64, so that the rank
     average (sum, then / W) is exactly them whatever the world size."""
-    gen = torch.Generator().manual_seed(100 + step)
-    out: list[torch.Tensor | None] = []
-    for i, (shape, dtype) in enumerate(SHAPES):
-        g = torch.randint(-64, 65, shape, generator=gen).to(dtype) / 64
-        out.append(None if i == FROZEN else g)
-    return out
+    return sixty_fourths(SHAPES, 100 + step, lambda i: i == FROZEN)
 
 
 def torch_reference(name: str, steps: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -139,29 +135,6 @@ def resume_cases(
         same = all(torch.equal(a, b) for a, b in zip(params, ref))
         rows.append((rank != 0 or state_equal(loaded, saved[i]), same, max(errors)))
     return rows
-
-
-def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = max(ref.abs().max().item(), 1e-30)
-    return (ours.double() - ref.double()).abs().max().item() / scale
-
-
-def state_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Bitwise equality of two torch.optim state dicts (keys, dtypes, shapes, values), in the
-    sense of dict equality: the order of keys does not matter."""
-    assert a is not None
-    assert b is not None
-    if a["param_groups"] != b["param_groups"] or set(a["state"]) != set(b["state"]):
-        return False
-    for k, entry in a["state"].items():
-        other = b["state"][k]
-        if set(entry) != set(other):
-            return False
-        for key, x in entry.items():
-            y = other[key]
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
-                return False
-    return True
 
 
 def bitwise_expected(world: int, i: int) -> bool:

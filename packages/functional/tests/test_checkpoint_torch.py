@@ -31,18 +31,19 @@ from shardopt.functional import (
     torch_hyperparams,
 )
 
+from _functional_helpers import (
+    MIXED_SHAPES,
+    rank_average,
+    rel_error,
+    seeded_params,
+    sixty_fourths,
+    state_equal,
+)
+
 F32, F64 = torch.float32, torch.float64
 # Mixed dtypes; tensor 3 is frozen (never a gradient: no state entry, except for Adagrad),
 # tensor 4 gets its first gradient only at step 1. Flat plans cut tensors across ranks.
-SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
-    ((7, 5), F32),
-    ((5,), F32),
-    ((3, 4, 2), F64),
-    ((4,), F32),
-    ((13,), F32),
-    ((1,), F64),
-    ((6, 6), F32),
-]
+SHAPES = MIXED_SHAPES
 FROZEN, LATE = 3, 4
 STEPS, MORE = 4, 3  # steps before consolidating, and after loading
 RTOL = {F32: 1e-5, F64: 1e-11}  # measured: at most ~1e-7 and ~1e-15
@@ -81,50 +82,19 @@ CONFIGS = [("flat", 1), ("greedy", 2), ("flat", 2), ("greedy", 1)]  # (strategy,
 
 
 def make_params() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=gen, dtype=F64).to(d) for s, d in SHAPES]
+    return seeded_params(SHAPES)
 
 
 def local_grads(step: int, rank: int) -> list[torch.Tensor | None]:
     """Rank ``rank``'s gradients at ``step``: multiples of 1/64, so sums over ranks are exact."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    out: list[torch.Tensor | None] = []
-    for i, (shape, dtype) in enumerate(SHAPES):
-        g = torch.randint(-64, 65, shape, generator=gen).to(dtype) / 64
-        out.append(None if i == FROZEN or (i == LATE and step == 0) else g)
-    return out
+    return sixty_fourths(
+        SHAPES, 1000 * step + rank, lambda i: i == FROZEN or (i == LATE and step == 0)
+    )
 
 
 def averaged(step: int, world: int) -> list[torch.Tensor | None]:
     """The rank average of :func:`local_grads`, as the reduce-scatter computes it (sum, / W)."""
-    per_rank = [local_grads(step, r) for r in range(world)]
-    out: list[torch.Tensor | None] = []
-    for i in range(len(SHAPES)):
-        gs = [g[i] for g in per_rank]
-        out.append(None if gs[0] is None else torch.stack(gs).sum(0).div_(world))  # type: ignore[misc]
-    return out
-
-
-def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = max(ref.abs().max().item(), 1e-30)
-    return (ours.double() - ref.double()).abs().max().item() / scale
-
-
-def state_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Bitwise equality of two torch.optim state dicts (dict equality: key order aside)."""
-    assert a is not None
-    assert b is not None
-    if a["param_groups"] != b["param_groups"] or set(a["state"]) != set(b["state"]):
-        return False
-    for k, entry in a["state"].items():
-        other = b["state"][k]
-        if set(entry) != set(other):
-            return False
-        for key, x in entry.items():
-            y = other[key]
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
-                return False
-    return True
+    return rank_average(lambda r: local_grads(step, r), world)
 
 
 def as_torch_loads(sd: dict[str, Any]) -> dict[str, Any]:

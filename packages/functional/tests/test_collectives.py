@@ -2,89 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardopt.core import adam, plan_partition
 from shardopt.functional import all_gather_params, reduce_scatter_grads, register_grad_hooks, shard
+from shardopt.testing import CollectiveCall, count_collectives
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 SHAPES = [((7, 5), F32), ((5,), BF16), ((3, 4, 2), F64), ((13,), F32), ((6, 6), BF16)]
 
-# Every collective of torch.distributed that could move data, by name.
-_COLLECTIVES = (
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "all_gather",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "reduce_scatter",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "all_gather_object",
-    "broadcast_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "scatter",
-    "gather",
-    "barrier",
-)
 
-
-class Call(NamedTuple):
-    """One recorded collective: its name, the bytes of its first two tensor arguments, and the
-    root rank of a broadcast or reduce (None for the others)."""
-
-    name: str
-    first: int
-    second: int
-    root: int | None
-
-
-@contextmanager
-def recording() -> Iterator[list[Call]]:
-    """Records every torch.distributed collective called (the functions are looked up at call
-    time, see [Note: collective names])."""
-    calls: list[Call] = []
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def nbytes(x: Any) -> int:
-        if isinstance(x, torch.Tensor):
-            return x.numel() * x.element_size()
-        if isinstance(x, (list, tuple)):
-            return sum(nbytes(t) for t in x)
-        return 0
-
-    def wrap(name: str, fn: Any) -> Any:
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            first = args[0] if args else None
-            second = args[1] if len(args) > 1 else None
-            root = kwargs.get("group_src", kwargs.get("group_dst"))
-            calls.append(Call(name, nbytes(first), nbytes(second), root))
-            return fn(*args, **kwargs)
-
-        return recorded
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
-def traffic(calls: list[Call], rank: int, world: int) -> tuple[int, int, set[str]]:
+def traffic(calls: list[CollectiveCall], rank: int, world: int) -> tuple[int, int, set[str]]:
     """(bytes this rank sends into gradient reductions, bytes it receives from parameter syncs,
     the names called), counted as the payload of the collective's semantics: a ring
     reduce-scatter or all-gather moves (W-1)/W of its buffer per rank; a reduce to rank d takes
@@ -127,14 +58,14 @@ def stage2_traffic(
     state = sharded.init(params)
     if hooked:
         register_grad_hooks(params, state)
-    with recording() as calls:
+    with count_collectives() as counted:
         for _ in range(2):
             if hooked:
                 sum((p.double() ** 2).sum() * (rank + 1) for p in params).backward()
                 state = sharded.step(params, None, state)
             else:
                 state = sharded.step(params, grads_of(params, rank), state)
-    return (*traffic(calls, rank, world), padded_bytes(plan))
+    return (*traffic(counted.calls, rank, world), padded_bytes(plan))
 
 
 NAMES = {
@@ -169,9 +100,9 @@ def stage1_traffic(rank: int, world: int, algorithm: str) -> tuple[int, int, set
     plan = plan_partition(params, world)
     sharded = shard(adam(1e-3), plan, bucket_numel=16, algorithm=algorithm)
     state = sharded.init(params)
-    with recording() as calls:
+    with count_collectives() as counted:
         state = sharded.step(params, grads_of(params, 0), state)
-    return (*traffic(calls, rank, world), plan.sync_cost().recv_bytes_per_rank)
+    return (*traffic(counted.calls, rank, world), plan.sync_cost().recv_bytes_per_rank)
 
 
 @pytest.mark.parametrize("algorithm", ["collective", "rooted"])
@@ -194,7 +125,8 @@ def overlap(rank: int, world: int) -> tuple[int, int]:
     x = torch.randn(4, 8)
     for layer in layers:
         x = torch.tanh(layer(x))
-    with recording() as calls:
+    with count_collectives() as counted:
+        calls = counted.calls
         for p in params:  # after the recording hooks: log where reductions start
             p.register_post_accumulate_grad_hook(lambda p: log.append(f"grad {len(calls)}"))
         x.sum().backward()

@@ -31,19 +31,13 @@ from shardopt.testing import (
     with_gradient_averaging,
 )
 
+from _functional_helpers import MIXED_SHAPES, rank_average, rel_error, seeded_params, sixty_fourths
+
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
 # A small mixed-dtype model: tensor 3 is frozen (never a gradient), tensor 4 has no gradient at
 # every third step. Shapes make flat plans cut tensors across ranks at W = 2, 3, 4.
-SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
-    ((7, 5), F32),
-    ((5,), F32),
-    ((3, 4, 2), F64),
-    ((4,), F32),
-    ((13,), F32),
-    ((1,), F64),
-    ((6, 6), F32),
-]
+SHAPES = MIXED_SHAPES
 FROZEN, SOMETIMES = 3, 4
 STEPS = 20
 RTOL = {F32: 1e-6, F64: 1e-12}  # measured: at most 1e-7 and 1e-16
@@ -87,34 +81,19 @@ OTHERS: dict[str, tuple[Callable[[], Any], type[torch.optim.Optimizer], dict[str
 
 
 def make_params(shapes: list[tuple[tuple[int, ...], torch.dtype]] = SHAPES) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=gen, dtype=F64).to(d) for s, d in shapes]
+    return seeded_params(shapes)
 
 
 def local_grads(step: int, rank: int, shapes: list[Any] = SHAPES) -> list[torch.Tensor | None]:
     """Rank ``rank``'s gradients at ``step``: multiples of 1/64, so sums over ranks are exact."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    out: list[torch.Tensor | None] = []
-    for i, (shape, dtype) in enumerate(shapes):
-        g = torch.randint(-64, 65, shape, generator=gen).to(dtype) / 64
-        skip = i == FROZEN or (i == SOMETIMES and step % 3 == 1)
-        out.append(None if skip else g)
-    return out
+    return sixty_fourths(
+        shapes, 1000 * step + rank, lambda i: i == FROZEN or (i == SOMETIMES and step % 3 == 1)
+    )
 
 
 def averaged(step: int, world: int, shapes: list[Any] = SHAPES) -> list[torch.Tensor | None]:
     """The rank average of :func:`local_grads`, as the reduce-scatter computes it (sum, / W)."""
-    per_rank = [local_grads(step, r, shapes) for r in range(world)]
-    out: list[torch.Tensor | None] = []
-    for i in range(len(shapes)):
-        gs = [g[i] for g in per_rank]
-        out.append(None if gs[0] is None else torch.stack(gs).sum(0).div_(world))  # type: ignore[misc]
-    return out
-
-
-def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = max(ref.abs().max().item(), 1e-30)
-    return (ours.double() - ref.double()).abs().max().item() / scale
+    return rank_average(lambda r: local_grads(step, r, shapes), world)
 
 
 def run_case(

@@ -22,7 +22,7 @@ from shardopt.core import (
     TraceState,
 )
 from shardopt.functional._layout import FlatLayout
-from shardopt.functional._state import FieldKind, ShardedState, StateField
+from shardopt.functional._state import FieldKind, ShardedState, StateField, piece_slots
 
 __all__ = [
     "STATE_KEYS",
@@ -185,16 +185,6 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
             out.append((key, leaf, True))
         elif is_field(leaf):
             out.extend((f"{key}[{i}]", t, False) for i, t in enumerate(leaf))
-    return out
-
-
-def piece_slots(layout: FlatLayout) -> list[int]:
-    """For each piece of ``layout``, its index among the pieces of its group (PER_PIECE slot)."""
-    counts = [0] * len(layout.plan.groups)
-    out = []
-    for piece in layout.pieces:
-        out.append(counts[piece.group])
-        counts[piece.group] += 1
     return out
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "StateField",
     "StepStats",
     "flatten_state",
+    "piece_slots",
     "probe_fields",
     "slice_state",
 ]
@@ -137,7 +138,7 @@ def flatten_state(
     n = len(layout.pieces)
     is_field = _field_pred(n)
     leaves, spec = pytree.tree_flatten_with_path(inner, is_leaf=is_field)
-    index_in_group = _index_in_group(layout)
+    index_in_group = piece_slots(layout)
     fields: list[StateField] = []
     new_leaves: list[Any] = []
     sliceable = True
@@ -167,7 +168,8 @@ def _holds_tensors(leaf: Any) -> bool:
     return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(leaf))
 
 
-def _index_in_group(layout: FlatLayout) -> list[int]:
+def piece_slots(layout: FlatLayout) -> list[int]:
+    """For each piece of ``layout``, its index among the pieces of its group (PER_PIECE slot)."""
     counts = [0] * len(layout.plan.groups)
     out = []
     for piece in layout.pieces:

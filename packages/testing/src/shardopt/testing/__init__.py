@@ -8,6 +8,7 @@ from shardopt.testing._candidates import (
     with_gradient_averaging,
     zero_redundancy_candidate,
 )
+from shardopt.testing._collectives_count import CollectiveCall, CollectiveLog, count_collectives
 from shardopt.testing._compare import DEFAULT_RTOL
 from shardopt.testing._equivalence import EquivalenceReport, ReferenceGrads, assert_matches_torch
 from shardopt.testing._errors import (
@@ -54,6 +55,10 @@ __all__ = [
     "WorldTimeoutError",
     "RankFailure",
     "Outcome",
+    # counting collectives
+    "count_collectives",
+    "CollectiveLog",
+    "CollectiveCall",
     # equivalence with torch.optim
     "assert_matches_torch",
     "EquivalenceReport",

@@ -6,14 +6,13 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from shardopt.testing._plan_cli_cost import RankBytes, Traffic
+from shardopt.testing._collectives_count import CollectiveLog, count_collectives
+from shardopt.testing._plan_cli_cost import RankBytes
 
 __all__ = [
     "CollectiveLog",
@@ -23,32 +22,6 @@ __all__ = [
     "measure_sharded",
     "storage_bytes",
 ]
-
-# Every torch.distributed function that can move data, by name; those missing are skipped.
-_COLLECTIVES = (
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "all_gather",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "reduce_scatter",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-)
-_GATHERS = ("all_gather_single", "all_gather_into_tensor")
-_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
-_ONE_TENSOR = ("all_reduce", "broadcast", "reduce")  # their second argument is not a tensor
 
 
 def storage_bytes(tensors: Iterable[Any]) -> int:
@@ -104,73 +77,6 @@ def measure_ddp(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
         master=0,
         buffers=0,
     )
-
-
-def _nbytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return 0
-
-
-@dataclass
-class CollectiveLog:
-    """The collectives called in a :func:`count_collectives` block: (name, input bytes, output
-    bytes) per call."""
-
-    world_size: int
-    calls: list[tuple[str, int, int]] = field(default_factory=list)
-
-    def traffic(self) -> Traffic:
-        """The calls as a Traffic ([Note: traffic model]): broadcasts count as gathers, reduces
-        as reduce-scatters."""
-
-        def total(kinds: tuple[str, ...], index: int) -> int:
-            return sum(int(c[index]) for c in self.calls if c[0] in kinds)
-
-        return Traffic(
-            all_reduce=total(("all_reduce",), 1),
-            reduce_scatter=total(_SCATTERS, 1) + total(("reduce",), 1),
-            all_gather=total(_GATHERS, 2) + total(("broadcast",), 1),
-            collectives=sum(
-                c[0] in (*_GATHERS, *_SCATTERS, "broadcast", "reduce") for c in self.calls
-            ),
-        )
-
-    def others(self) -> list[str]:
-        """Names of the calls that :meth:`traffic` leaves out."""
-        known = ("all_reduce", "broadcast", "reduce", *_GATHERS, *_SCATTERS)
-        return [c[0] for c in self.calls if c[0] not in known]
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[CollectiveLog]:
-    """Records every torch.distributed collective called from Python inside the block.
-
-    The collectives are looked up on ``torch.distributed`` at each call by shardopt, torch's
-    ZeroRedundancyOptimizer and DDP's Python comm hooks; DDP's built-in C++ all-reduce is not
-    seen (register ``allreduce_hook`` to count it).
-    """
-    log = CollectiveLog(dist.get_world_size())
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def wrap(name: str, fn: Any) -> Any:
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            out = args[0] if args else next(iter(kwargs.values()), None)
-            inp = args[1] if len(args) > 1 and name not in _ONE_TENSOR else out
-            log.calls.append((name, _nbytes(inp), _nbytes(out)))
-            return fn(*args, **kwargs)
-
-        return recorded
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield log
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PRESETS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "build_mlp_stack"]
+__all__ = ["PRESETS", "GPT", "GPTBlock", "GPTConfig", "Llama", "LlamaConfig", "build_mlp_stack"]
 
 # [Note: preset shapes]
 # The presets reproduce the parameter lists of the published models, in their order:
@@ -47,7 +47,16 @@ class GPTConfig:
             )
 
 
-class _Block(nn.Module):
+class GPTBlock(nn.Module):
+    """A GPT-2 block: causal self-attention then a GELU MLP, each after a LayerNorm, residual.
+
+    ``qkv_bias`` as in :class:`GPTConfig`. The parameters are created in GPT-2's order.
+
+    Example:
+        >>> GPTBlock(8, 2, qkv_bias=False)(torch.zeros(1, 3, 8)).shape
+        torch.Size([1, 3, 8])
+    """
+
     def __init__(self, width: int, heads: int, qkv_bias: bool) -> None:
         super().__init__()
         self.heads = heads
@@ -82,7 +91,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab, config.width)
         self.wpe = nn.Embedding(config.length, config.width)
         self.blocks = nn.ModuleList(
-            _Block(config.width, config.heads, config.qkv_bias) for _ in range(config.depth)
+            GPTBlock(config.width, config.heads, config.qkv_bias) for _ in range(config.depth)
         )
         self.ln_f = nn.LayerNorm(config.width)
         for name, p in self.named_parameters():

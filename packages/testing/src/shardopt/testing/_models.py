@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from shardopt.testing._cli_models import GPTBlock
 
 __all__ = [
     "build_conv_net",
@@ -88,35 +89,14 @@ def build_conv_net(
     return _build(seed, _ConvNet, channels, classes, dtype=dtype)
 
 
-class _Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        # No bias: the key bias of attention has an exactly zero gradient (softmax ignores a
-        # constant added to a row of scores), so its computed gradient is pure rounding noise,
-        # which Adam scales up to ~lr*noise/eps and no two summation orders agree on.
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 4 * width)
-        self.out = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
-        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
-        return x + self.out(F.gelu(self.fc(self.norm2(x))))
-
-
 class _GPT(nn.Module):
     def __init__(self, vocab: int, width: int, depth: int, length: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(0.02 * torch.randn(length, width))
-        self.blocks = nn.ModuleList(_Block(width, heads=2) for _ in range(depth))
+        # No attention input bias: its key part has an exactly zero gradient, computed as
+        # rounding noise (see GPTConfig), that no two summation orders agree on.
+        self.blocks = nn.ModuleList(GPTBlock(width, 2, qkv_bias=False) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

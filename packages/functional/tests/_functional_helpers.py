@@ -1,0 +1,77 @@
+"""Helpers shared by the functional tests: seeded parameters, exact gradients, comparisons."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+Shapes = Sequence[tuple[tuple[int, ...], torch.dtype]]
+
+# A small mixed-dtype model whose shapes make flat plans cut tensors across ranks at W = 2, 3, 4
+# (the test modules give tensors 3 and 4 their roles: frozen, gradient only at some steps).
+MIXED_SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
+    ((7, 5), torch.float32),
+    ((5,), torch.float32),
+    ((3, 4, 2), torch.float64),
+    ((4,), torch.float32),
+    ((13,), torch.float32),
+    ((1,), torch.float64),
+    ((6, 6), torch.float32),
+]
+
+
+def seeded_params(shapes: Shapes) -> list[torch.Tensor]:
+    """One tensor per ``(shape, dtype)``: float64 normal draws of seed 0, cast to the dtype."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(d) for s, d in shapes]
+
+
+def sixty_fourths(
+    shapes: Shapes, seed: int, skip: Callable[[int], bool]
+) -> list[torch.Tensor | None]:
+    """Gradients of ``seed``, multiples of 1/64 in [-1, 1] (so sums over ranks are exact); None
+    for the indices ``skip`` names."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[torch.Tensor | None] = []
+    for i, (shape, dtype) in enumerate(shapes):
+        g = torch.randint(-64, 65, shape, generator=gen).to(dtype) / 64
+        out.append(None if skip(i) else g)
+    return out
+
+
+def rank_average(
+    local_grads: Callable[[int], list[torch.Tensor | None]], world: int
+) -> list[torch.Tensor | None]:
+    """The rank average of ``local_grads(rank)``, as the reduce-scatter computes it (sum, / W)."""
+    per_rank = [local_grads(r) for r in range(world)]
+    out: list[torch.Tensor | None] = []
+    for i in range(len(per_rank[0])):
+        gs = [g[i] for g in per_rank]
+        out.append(None if gs[0] is None else torch.stack(gs).sum(0).div_(world))  # type: ignore[misc]
+    return out
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|ours - ref| / max|ref| (in float64; a zero ``ref`` is judged on 1e-30)."""
+    scale = max(ref.abs().max().item(), 1e-30)
+    return (ours.double() - ref.double()).abs().max().item() / scale
+
+
+def state_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Bitwise equality of two torch.optim state dicts (keys, dtypes, shapes, values), in the
+    sense of dict equality: the order of keys does not matter."""
+    assert a is not None
+    assert b is not None
+    if a["param_groups"] != b["param_groups"] or set(a["state"]) != set(b["state"]):
+        return False
+    for k, entry in a["state"].items():
+        other = b["state"][k]
+        if set(entry) != set(other):
+            return False
+        for key, x in entry.items():
+            y = other[key]
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
+                return False
+    return True
