@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import threading
 import time
@@ -28,6 +26,8 @@ import torch
 from tqdm import tqdm
 
 from shardopt.testing import spawn
+
+from _bench_io import write_results
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "bench_zero_consolidate.json"
 ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
@@ -181,10 +181,7 @@ def main() -> None:
     ]
     print(f"\n{args.depth}x{args.width} MLP, Adam, gloo on CPU, one intra-op thread per rank")
     print_table(rows)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()}
-    OUT.write_text(json.dumps({"meta": meta, "cases": rows}, indent=2) + "\n")
-    print(f"\nwrote {OUT}")
+    write_results(OUT, rows)
 
 
 if __name__ == "__main__":

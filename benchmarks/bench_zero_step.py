@@ -12,9 +12,6 @@ sync), timed on every rank, the slowest rank counted, variants interleaved round
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 import warnings
@@ -26,6 +23,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from shardopt.testing import spawn
+
+from _bench_io import write_results
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "bench_zero_step.json"
 # variant -> (implementation, constructor keyword arguments besides the model's parameters)
@@ -170,10 +169,7 @@ def main() -> None:
     rows = [run_case(w, m, args.repeat) for w, m in tqdm(cases, desc="bench_zero_step")]
     print("\nAdam on gloo (CPU), one intra-op thread per rank")
     print_table(rows)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()}
-    OUT.write_text(json.dumps({"meta": meta, "cases": rows}, indent=2) + "\n")
-    print(f"\nwrote {OUT}")
+    write_results(OUT, rows)
 
 
 if __name__ == "__main__":
