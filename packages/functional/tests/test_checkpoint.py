@@ -66,12 +66,14 @@ def local_grads(step: int, rank: int) -> list[torch.Tensor | None]:
     return out
 
 
-def resume_from_files(rank: int, world: int, root: str, strategy: str, stage: int) -> list[bool]:
+def resume_from_files(
+    rank: int, world: int, root: str, strategy: str, stage: int, bucket: int | None
+) -> list[bool]:
     """Adam with float32 master weights for the bfloat16 tensors: 3 steps, torch.save of each
     rank's sharded state dict, then a fresh state (from the same parameters) loaded from the
     file and the original both take 3 more steps. Same plan, same ranks: bitwise equal."""
     params = make_params()
-    plan = plan_partition(params, world, strategy=strategy)
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
     sharded = shard(adam(1e-2), plan, stage=stage, master_dtype=F32)
     state = sharded.init(params)
     for step in range(3):
@@ -95,10 +97,12 @@ def resume_from_files(rank: int, world: int, root: str, strategy: str, stage: in
     return [same_params, all(torch.equal(a, b) for a, b in pairs), len(pairs) > 4]
 
 
-@pytest.mark.parametrize(("strategy", "stage"), [("flat", 2), ("greedy", 1)])
-def test_a_sharded_state_dict_saved_per_rank_resumes_bitwise(run_world, tmp_path, strategy, stage):
+@pytest.mark.parametrize(("strategy", "stage", "bucket"), [("flat", 2, 16), ("greedy", 1, None)])
+def test_a_sharded_state_dict_saved_per_rank_resumes_bitwise(
+    run_world, tmp_path, strategy, stage, bucket
+):
     for rank, (same_params, same_state, has_master) in enumerate(
-        run_world(resume_from_files, 2, str(tmp_path), strategy, stage)
+        run_world(resume_from_files, 2, str(tmp_path), strategy, stage, bucket)
     ):
         assert same_params, f"rank {rank}: the parameters differ"
         assert same_state, f"rank {rank}: the optimizer state differs"

@@ -11,7 +11,15 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardopt.core import adam, adamw, apply_updates, multi_steps, plan_partition, sgd
+from shardopt.core import (
+    DEFAULT_BUCKET_NUMEL,
+    adam,
+    adamw,
+    apply_updates,
+    multi_steps,
+    plan_partition,
+    sgd,
+)
 from shardopt.functional import (
     consolidate_state_dict,
     load_checkpoint,
@@ -63,6 +71,15 @@ RESUMED = {
 }
 
 
+# The bucket_numel of each saved case, and of each resumed one (case i at world W takes entry
+# (i + W) % 5): one bucket per group, about one tensor per bucket, a few tensors, the default.
+BUCKETS: list[int | None] = [None, 16, DEFAULT_BUCKET_NUMEL, 40, 8]
+
+
+def resumed_bucket(world: int, i: int) -> int | None:
+    return BUCKETS[(i + world) % len(BUCKETS)]
+
+
 def initial_params() -> list[torch.Tensor]:
     return seeded_params(SHAPES)
 
@@ -85,10 +102,16 @@ def torch_reference(name: str, steps: int) -> tuple[list[torch.Tensor], dict[str
     return [p.detach() for p in ref], opt.state_dict()
 
 
-def make_sharded(name: str, params: list[torch.Tensor], world: int, strategy: str, stage: int):
-    sharded = shard(
-        OPTIMIZERS[name][0](), plan_partition(params, world, strategy=strategy), stage=stage
-    )
+def make_sharded(
+    name: str,
+    params: list[torch.Tensor],
+    world: int,
+    strategy: str,
+    stage: int,
+    bucket: int | None = DEFAULT_BUCKET_NUMEL,
+):
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
+    sharded = shard(OPTIMIZERS[name][0](), plan, stage=stage)
     return sharded, sharded.init(params)
 
 
@@ -98,7 +121,7 @@ def save_cases(rank: int, world: int, root: str) -> list[dict[str, Any] | None]:
     out = []
     for i, (name, strategy, stage) in enumerate(SAVED):
         params = initial_params()
-        sharded, state = make_sharded(name, params, world, strategy, stage)
+        sharded, state = make_sharded(name, params, world, strategy, stage, BUCKETS[i])
         for step in range(BEFORE):
             state = sharded.step(params, grads(step), state)
         hyper = torch_hyperparams(OPTIMIZERS[name][1], **OPTIMIZERS[name][2])
@@ -123,7 +146,9 @@ def resume_cases(
     rows = []
     for i, ((name, _, _), (strategy, stage)) in enumerate(zip(SAVED, RESUMED[world])):
         params = [torch.zeros_like(p) for p in initial_params()]  # the checkpoint fills them
-        sharded, state = make_sharded(name, params, world, strategy, stage)
+        sharded, state = make_sharded(
+            name, params, world, strategy, stage, resumed_bucket(world, i)
+        )
         path = os.path.join(root, f"case{i}")
         load_checkpoint(state, path, names=NAMES, extra={"model": dict(zip(NAMES, params))})
         hyper = torch_hyperparams(OPTIMIZERS[name][1], **OPTIMIZERS[name][2])
@@ -174,7 +199,10 @@ def test_a_checkpoint_saved_at_4_ranks_resumes_at_1_2_3_like_an_uninterrupted_ru
     results = run_world(resume_cases, world, root, saved)
     for rank, rows in enumerate(results):
         for i, (transferred, bitwise, error) in enumerate(rows):
-            where = f"rank {rank}, case {SAVED[i]} -> {RESUMED[world][i]}"
+            where = (
+                f"rank {rank}, case {SAVED[i]}, {BUCKETS[i]} -> {RESUMED[world][i]}, "
+                f"{resumed_bucket(world, i)}"
+            )
             assert transferred, f"{where}: the loaded state differs from the saved one"
             if bitwise_expected(world, i):
                 assert bitwise, f"{where}: not bitwise equal to torch (error {error:.2e})"
@@ -186,7 +214,10 @@ def test_a_checkpoint_saved_at_2_ranks_resumes_at_4(run_world, tmp_path):
     saved = run_world(save_cases, 2, root)[0]
     for rank, rows in enumerate(run_world(resume_cases, 4, root, saved)):
         for i, (transferred, bitwise, error) in enumerate(rows):
-            where = f"rank {rank}, case {SAVED[i]} -> {RESUMED[4][i]}"
+            where = (
+                f"rank {rank}, case {SAVED[i]}, {BUCKETS[i]} -> {RESUMED[4][i]}, "
+                f"{resumed_bucket(4, i)}"
+            )
             assert transferred, f"{where}: the loaded state differs from the saved one"
             assert bitwise or not bitwise_expected(4, i), f"{where}: error {error:.2e}"
             assert error <= 1e-6, f"{where}: relative error {error:.2e}"

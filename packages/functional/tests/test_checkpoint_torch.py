@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardopt.core import (
+    DEFAULT_BUCKET_NUMEL,
     adadelta,
     adagrad,
     adam,
@@ -78,7 +79,13 @@ OPTIMIZERS: dict[str, tuple[Callable[[], Any], type[torch.optim.Optimizer], dict
     "adadelta": (lambda: adadelta(1.0), torch.optim.Adadelta, {"lr": 1.0}),
     "rprop": (lambda: rprop(1e-2), torch.optim.Rprop, {"lr": 1e-2}),
 }
-CONFIGS = [("flat", 1), ("greedy", 2), ("flat", 2), ("greedy", 1)]  # (strategy, stage)
+# (strategy, stage, bucket_numel): one bucket per group, a bucket about per tensor, the default.
+CONFIGS = [
+    ("flat", 1, None),
+    ("greedy", 2, 16),
+    ("flat", 2, 16),
+    ("greedy", 1, DEFAULT_BUCKET_NUMEL),
+]
 
 
 def make_params() -> list[torch.Tensor]:
@@ -133,11 +140,13 @@ def train(sharded, state, params, ref_opt, ref, steps: range, rank: int, world: 
             for p, g in zip(ref, avg):
                 p.grad = g
             ref_opt.step()
-        state = sharded.step(params, avg if stage == 1 else local_grads(step, rank), state)
+        state = sharded.step(params, local_grads(step, rank), state)  # step averages them
     return state
 
 
-def one_case(rank: int, world: int, name: str, strategy: str, stage: int) -> dict[str, Any]:
+def one_case(
+    rank: int, world: int, name: str, strategy: str, stage: int, bucket: int | None
+) -> dict[str, Any]:
     """STEPS steps of ours and of torch; consolidate; load it into torch and torch's into ours;
     MORE steps of everything. The measures are taken on rank 0."""
     factory, cls, kwargs = OPTIMIZERS[name]
@@ -145,7 +154,7 @@ def one_case(rank: int, world: int, name: str, strategy: str, stage: int) -> dic
     params = make_params()
     ref = [p.clone().requires_grad_(i != FROZEN) for i, p in enumerate(params)]
     ref_opt = cls(ref, **kwargs)
-    plan = plan_partition(params, world, strategy=strategy)
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
     sharded = shard(factory(), plan, stage=stage)
     state = train(
         sharded, sharded.init(params), params, ref_opt, ref, range(STEPS), rank, world, stage
@@ -184,9 +193,9 @@ def one_case(rank: int, world: int, name: str, strategy: str, stage: int) -> dic
 
 def table(rank: int, world: int) -> list[tuple[str, str, int, dict[str, Any]]]:
     return [
-        (name, strategy, stage, one_case(rank, world, name, strategy, stage))
+        (name, f"{strategy}/{bucket}", stage, one_case(rank, world, name, strategy, stage, bucket))
         for name in OPTIMIZERS
-        for strategy, stage in CONFIGS
+        for strategy, stage, bucket in CONFIGS
     ]
 
 

@@ -69,7 +69,7 @@ def consolidate_measured(rank: int, world: int, to: int) -> dict[str, dict[str, 
         out[strategy] = {
             "peak": peak,
             "shard_bytes": max(
-                g.shard_numel * getattr(torch, g.dtype).itemsize for g in plan.groups
+                max(g.shard_numels) * getattr(torch, g.dtype).itemsize for g in plan.groups
             ),
             "state_bytes": sum(x.nbytes for x in tensors),
             "entries": len(sd["state"]),

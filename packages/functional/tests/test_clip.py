@@ -30,19 +30,20 @@ def averaged(step: int, world: int) -> list[torch.Tensor]:
 
 
 def clipped_training(
-    rank: int, world: int, stage: int, strategy: str
+    rank: int, world: int, stage: int, strategy: str, grads_averaged: bool
 ) -> tuple[float, list[float], list[float]]:
-    """Ours with max_norm=1 against clip_grad_norm_ + Adam: (max relative error, our norms,
-    torch's norms)."""
+    """Ours with max_norm=1 against clip_grad_norm_ + Adam on the full batch: (max relative
+    error, our norms, torch's norms). ``step`` gets local gradients, or their average with
+    ``grads_averaged``."""
     params = make_params()
     ref = [p.clone().requires_grad_(True) for p in params]
     opt = torch.optim.Adam(ref, lr=1e-2)
     sharded = shard(
         adam(1e-2),
-        plan_partition(params, world, strategy=strategy),
+        plan_partition(params, world, strategy=strategy, bucket_numel=16),  # many buckets
         stage=stage,
+        grads_averaged=grads_averaged,
         max_norm=1.0,
-        bucket_numel=16 * world,  # chunks of 16 elements per rank
     )
     state = sharded.init(params)
     ours, theirs = [], []
@@ -52,34 +53,48 @@ def clipped_training(
             p.grad = g.clone()
         theirs.append(torch.nn.utils.clip_grad_norm_(ref, 1.0).item())
         opt.step()
-        state = sharded.step(params, avg if stage == 1 else local_grads(step, rank), state)
+        state = sharded.step(params, avg if grads_averaged else local_grads(step, rank), state)
         ours.append(state.stats.grad_norm.item())
     err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(params, ref))
     return err, ours, theirs
 
 
-@pytest.mark.parametrize(("world", "stage", "strategy"), [(2, 1, "flat"), (3, 2, "greedy")])
-def test_clipping_uses_the_norm_of_the_full_gradient_like_torch(run_world, world, stage, strategy):
-    for err, ours, theirs in run_world(clipped_training, world, stage, strategy):
+@pytest.mark.parametrize(
+    ("world", "stage", "strategy", "grads_averaged"),
+    [(2, 1, "flat", False), (2, 1, "greedy", True), (3, 2, "greedy", False)],
+)
+def test_clipping_uses_the_norm_of_the_full_gradient_like_torch(
+    run_world, world, stage, strategy, grads_averaged
+):
+    for err, ours, theirs in run_world(clipped_training, world, stage, strategy, grads_averaged):
         assert err <= 1e-5
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ours, theirs))
         assert min(theirs) > 1.0  # the gradients really were clipped
 
 
-def skip_nonfinite(rank: int, world: int, stage: int, bad: float) -> tuple[bool, bool, bool]:
-    """A bad value in one rank's gradient at step 1: every rank skips that step (params and
-    state unchanged), and training goes on like torch trained without that step."""
+def skip_nonfinite(
+    rank: int, world: int, stage: int, grads_averaged: bool, bad: float
+) -> tuple[bool, bool, bool]:
+    """A bad value in one rank's local gradient at step 1 (with ``grads_averaged``: in the
+    averaged gradient every rank gets, at a place only one rank owns): every rank skips that
+    step (params and state unchanged), and training goes on like torch trained without it."""
     params = make_params()
     ref = [p.clone().requires_grad_(True) for p in params]
     opt = torch.optim.Adam(ref, lr=1e-2)
-    sharded = shard(adam(1e-2), plan_partition(params, world), stage=stage, skip_nonfinite=True)
+    sharded = shard(
+        adam(1e-2),
+        plan_partition(params, world),
+        stage=stage,
+        grads_averaged=grads_averaged,
+        skip_nonfinite=True,
+    )
     state = sharded.init(params)
     skipped = []
     unchanged = True
     for step in range(4):
-        grads = averaged(step, world) if stage == 1 else local_grads(step, rank)
+        grads = averaged(step, world) if grads_averaged else local_grads(step, rank)
         if step == 1:
-            if stage == 1:
+            if grads_averaged:
                 grads[2][-1] = bad  # the end of the buffer: one rank owns it
             elif rank == world - 1:
                 grads[0][0, 0] = bad
@@ -100,9 +115,14 @@ def skip_nonfinite(rank: int, world: int, stage: int, bad: float) -> tuple[bool,
     return skipped == [False, True, False, False], unchanged, close
 
 
-@pytest.mark.parametrize(("stage", "bad"), [(1, math.inf), (2, math.nan), (2, -math.inf)])
-def test_an_inf_or_nan_on_one_rank_makes_every_rank_skip_the_step(run_world, stage, bad):
-    for skipped, unchanged, close in run_world(skip_nonfinite, 3, stage, bad):
+@pytest.mark.parametrize(
+    ("stage", "grads_averaged", "bad"),
+    [(1, True, math.inf), (1, False, math.nan), (2, False, math.nan), (2, False, -math.inf)],
+)
+def test_an_inf_or_nan_on_one_rank_makes_every_rank_skip_the_step(
+    run_world, stage, grads_averaged, bad
+):
+    for skipped, unchanged, close in run_world(skip_nonfinite, 3, stage, grads_averaged, bad):
         assert skipped, "the ranks did not all skip exactly step 1"
         assert unchanged, "the skipped step changed parameters or state"
         assert close, "training after the skipped step differs from torch without that step"

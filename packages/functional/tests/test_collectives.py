@@ -7,8 +7,13 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt.core import adam, plan_partition
-from shardopt.functional import all_gather_params, reduce_scatter_grads, register_grad_hooks, shard
+from shardopt.core import Bucket, adam, plan_partition
+from shardopt.functional import (
+    all_gather_bucket,
+    reduce_scatter_bucket,
+    register_grad_hooks,
+    shard,
+)
 from shardopt.testing import CollectiveCall, count_collectives
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -43,18 +48,39 @@ def grads_of(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
 
 
-def padded_bytes(plan: Any) -> int:
-    """Bytes of all flat buffers, padding included: of the parameters and of the gradients."""
-    return sum(g.padded_numel * getattr(torch, g.dtype).itemsize for g in plan.groups)
+def expected_traffic(plan: Any, rank: int, algorithm: str) -> tuple[int, set[str]]:
+    """(bytes of one sync of every bucket less this rank's own shard, the calls it needs): a
+    bucket is reduced or gathered by the collective calls only where its shards are equal
+    (greedy shards may not be), else by rooted ones."""
+    moved, names = 0, set()
+    for g in plan.groups:
+        size = getattr(torch, g.dtype).itemsize
+        for bucket in g.buckets:
+            moved += (bucket.numel - bucket.shards[rank]) * size
+            if plan.world_size > 1 and bucket.numel:
+                names |= NAMES[
+                    "collective" if algorithm == "collective" and bucket.uniform else "rooted"
+                ]
+    return moved, names
 
 
-def stage2_traffic(
-    rank: int, world: int, strategy: str, hooked: bool, bucket: int | None, algorithm: str
-) -> tuple[int, int, set[str], int]:
-    """What two stage 2 steps move: (sent, received, names) of :func:`traffic`, padded bytes."""
+def step_traffic(
+    rank: int,
+    world: int,
+    stage: int,
+    grads_averaged: bool,
+    strategy: str,
+    hooked: bool,
+    bucket: int | None,
+    algorithm: str,
+) -> tuple[int, int, set[str], int, set[str]]:
+    """What two steps move: (sent, received, names) of :func:`traffic`, and the bytes and
+    names :func:`expected_traffic` predicts for one sync."""
     params = [p.requires_grad_(True) for p in make_params()]
-    plan = plan_partition(params, world, strategy=strategy)
-    sharded = shard(adam(1e-3), plan, stage=2, bucket_numel=bucket, algorithm=algorithm)
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
+    sharded = shard(
+        adam(1e-3), plan, stage=stage, grads_averaged=grads_averaged, algorithm=algorithm
+    )
     state = sharded.init(params)
     if hooked:
         register_grad_hooks(params, state)
@@ -65,7 +91,7 @@ def stage2_traffic(
                 state = sharded.step(params, None, state)
             else:
                 state = sharded.step(params, grads_of(params, rank), state)
-    return (*traffic(counted.calls, rank, world), padded_bytes(plan))
+    return (*traffic(counted.calls, rank, world), *expected_traffic(plan, rank, algorithm))
 
 
 NAMES = {
@@ -75,42 +101,38 @@ NAMES = {
 
 
 @pytest.mark.parametrize(
-    ("world", "strategy", "hooked", "bucket", "algorithm"),
+    ("world", "stage", "strategy", "hooked", "bucket", "algorithm"),
     [
-        (2, "flat", False, None, "collective"),
-        (3, "greedy", False, 24, "collective"),  # bucket_numel / W: 8, 16, 8 elements per rank
-        (4, "flat", True, 64, "collective"),
-        (3, "flat", True, None, "rooted"),
-        (4, "greedy", False, 32, "rooted"),
+        (2, 2, "flat", False, None, "collective"),
+        (3, 2, "greedy", False, 24, "collective"),  # unequal greedy shards: rooted calls too
+        (4, 2, "flat", True, 64, "collective"),
+        (3, 2, "flat", True, None, "rooted"),
+        (4, 2, "greedy", False, 32, "rooted"),
+        (3, 1, "flat", False, 16, "collective"),  # stage 1 averages local gradients too
+        (2, 1, "greedy", True, None, "rooted"),
     ],
 )
-def test_stage2_moves_w_minus_1_over_w_of_the_gradients_and_of_the_params_and_nothing_else(
-    run_world, world, strategy, hooked, bucket, algorithm
+def test_each_step_moves_every_bucket_less_the_own_shard_of_gradients_and_params_only(
+    run_world, world, stage, strategy, hooked, bucket, algorithm
 ):
-    for sent, received, names, padded in run_world(
-        stage2_traffic, world, strategy, hooked, bucket, algorithm
+    """A reduction and a gather per step: (W-1)/W of the buffers, padding included, for equal
+    shards; everything but the rank's own shard in general."""
+    for sent, received, names, moved, expected in run_world(
+        step_traffic, world, stage, False, strategy, hooked, bucket, algorithm
     ):
-        assert names == NAMES[algorithm]
-        assert sent == 2 * (world - 1) * padded // world  # two steps of gradients, padding too
-        assert received == 2 * (world - 1) * padded // world  # two steps of parameters
-
-
-def stage1_traffic(rank: int, world: int, algorithm: str) -> tuple[int, int, set[str], int]:
-    params = make_params()
-    plan = plan_partition(params, world)
-    sharded = shard(adam(1e-3), plan, bucket_numel=16, algorithm=algorithm)
-    state = sharded.init(params)
-    with count_collectives() as counted:
-        state = sharded.step(params, grads_of(params, 0), state)
-    return (*traffic(counted.calls, rank, world), plan.sync_cost().recv_bytes_per_rank)
+        assert names == expected
+        assert sent == 2 * moved  # two steps of gradients
+        assert received == 2 * moved  # two steps of parameters
 
 
 @pytest.mark.parametrize("algorithm", ["collective", "rooted"])
-def test_stage1_moves_only_the_parameter_sync(run_world, algorithm):
-    for sent, received, names, recv in run_world(stage1_traffic, 3, algorithm):
-        assert names == NAMES[algorithm] - {"reduce", "reduce_scatter_single"}
+def test_stage1_with_averaged_gradients_moves_only_the_parameter_sync(run_world, algorithm):
+    for sent, received, names, moved, expected in run_world(
+        step_traffic, 3, 1, True, "flat", False, 16, algorithm
+    ):
+        assert names == expected - {"reduce", "reduce_scatter_single"}
         assert sent == 0
-        assert received == recv  # what the plan's sync cost predicts
+        assert received == 2 * moved
 
 
 def overlap(rank: int, world: int) -> tuple[int, int]:
@@ -118,7 +140,7 @@ def overlap(rank: int, world: int) -> tuple[int, int]:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 8) for _ in range(6)]
     params = [p for layer in layers for p in layer.parameters()]
-    sharded = shard(adam(), plan_partition(params, world), stage=2, bucket_numel=8)
+    sharded = shard(adam(), plan_partition(params, world, bucket_numel=8), stage=2)
     state = sharded.init(params)
     register_grad_hooks(params, state)
     log: list[str] = []
@@ -140,42 +162,55 @@ def test_gradient_reduction_starts_before_backward_ends(run_world):
         assert 0 < early < total
 
 
-def buckets_equal_whole(rank: int, world: int, algorithm: str) -> tuple[bool, bool]:
-    """A bucketed gather gives the whole one; reduce_scatter_grads averages and accumulates."""
-    shard_numel = 7
-    buf = torch.full((world * shard_numel,), -1.0)
-    buf[rank * shard_numel : (rank + 1) * shard_numel] = torch.arange(shard_numel) + 10.0 * rank
-    whole = buf.clone()
-    all_gather_params(whole, shard_numel, algorithm=algorithm)
-    staging = torch.empty(world * 3)
-    for start in range(0, shard_numel, 3):
-        stop = min(start + 3, shard_numel)
-        bucket = (start, stop)
-        all_gather_params(buf, shard_numel, bucket=bucket, staging=staging, algorithm=algorithm)
-    packed = torch.arange(world * 2, dtype=torch.float32) * (rank + 1)
-    out = torch.ones(2)
-    reduce_scatter_grads(packed, out, accumulate=True, algorithm=algorithm)
-    triangle = world * (world + 1) / 2
-    expected = 1 + torch.arange(rank * 2, rank * 2 + 2, dtype=torch.float32) * triangle / world
-    return torch.equal(buf, whole), torch.allclose(out, expected)
+def buckets_gather_and_average(rank: int, world: int, algorithm: str) -> tuple[bool, bool]:
+    """Each bucket gathered in place gives every rank every shard, equal shards or not;
+    reduce_scatter_bucket averages a bucket into the rank's shard and accumulates."""
+    buckets = [Bucket(0, (7,) * world), Bucket(7 * world, tuple(range(1, world + 1)))]
+    total = buckets[-1].stop
+    whole = torch.arange(total, dtype=torch.float32)
+    buf = torch.full((total,), -1.0)
+    for bucket in buckets:
+        lo = bucket.shard_start(rank)
+        buf[lo : lo + bucket.shards[rank]] = whole[lo : lo + bucket.shards[rank]]
+    for bucket in buckets:
+        all_gather_bucket(buf, bucket, algorithm=algorithm).wait()
+    averaged = True
+    for bucket in buckets:
+        staging = torch.arange(bucket.numel, dtype=torch.float32) * (rank + 1)
+        out = torch.ones(bucket.shards[rank])
+        reduce_scatter_bucket(staging, bucket, out, accumulate=True, algorithm=algorithm).wait()
+        lo = bucket.shard_start(rank) - bucket.start
+        base = torch.arange(lo, lo + bucket.shards[rank], dtype=torch.float32)
+        triangle = world * (world + 1) / 2
+        averaged = averaged and torch.allclose(out, 1 + base * triangle / world)
+    return torch.equal(buf, whole), averaged
 
 
 @pytest.mark.parametrize("algorithm", ["collective", "rooted"])
 @pytest.mark.parametrize("world", [1, 3])
-def test_bucketed_gathers_equal_the_whole_gather_and_grads_are_averaged(
-    run_world, world, algorithm
-):
-    assert all(all(r) for r in run_world(buckets_equal_whole, world, algorithm))
+def test_bucket_gathers_fill_every_shard_and_bucket_reductions_average(run_world, world, algorithm):
+    assert all(all(r) for r in run_world(buckets_gather_and_average, world, algorithm))
 
 
-def test_all_gather_params_refuses_a_buffer_of_another_size(run_world):
-    (message,) = run_world(bad_buffer, 1)
-    assert message == "all_gather_params: expected a buffer of 1 * 4 elements, got 5"
+def test_bucket_collectives_refuse_buffers_of_another_size(run_world):
+    (messages,) = run_world(bad_buffers, 1)
+    assert messages == [
+        "all_gather_bucket: expected a 1-D buffer of at least 8 elements and a bucket of 1 "
+        "shards, got (5,) and 1 shards",
+        "reduce_scatter_bucket: expected staging of 8 and output of 8 elements, got 5 and 8",
+    ]
 
 
-def bad_buffer(rank: int, world: int) -> str:
-    try:
-        all_gather_params(torch.zeros(5), 4)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+def bad_buffers(rank: int, world: int) -> list[str]:
+    out = []
+    for call in (
+        lambda: all_gather_bucket(torch.zeros(5), Bucket(0, (8,))),
+        lambda: reduce_scatter_bucket(torch.zeros(5), Bucket(0, (8,)), torch.zeros(8)),
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append("no error")
+    return out

@@ -1,4 +1,5 @@
-"""Stage 2 with post-accumulate-grad hooks: reduction in backward, freed gradients, accumulation."""
+"""Gradient hooks: reduction in backward (stage 2 frees the gradients, stage 1 keeps them),
+accumulation, and how much of the reduction backward hides."""
 
 from __future__ import annotations
 
@@ -46,54 +47,71 @@ def loss_of(net: Net, step: int, rank: int) -> torch.Tensor:
 
 
 def train_with_hooks(
-    rank: int, world: int, strategy: str, bucket: int | None, micro: int, algorithm: str
+    rank: int,
+    world: int,
+    stage: int,
+    strategy: str,
+    bucket: int | None,
+    micro: int,
+    algorithm: str,
 ) -> tuple[float, bool, list[int], list[int]]:
     """``micro`` backward passes per step through the hooks; returns (max relative error against
-    torch on the full batch, whether every .grad was freed, grad shard sizes, shard_numels)."""
+    torch on the full batch, whether every .grad was freed (stage 2) or kept (stage 1), grad
+    shard sizes, shard_numels)."""
     net, ref = make_net(), make_net()
     params = list(net.parameters())
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    plan = plan_partition(params, world, strategy=strategy)
-    sharded = shard(adam(1e-2), plan, stage=2, bucket_numel=bucket, algorithm=algorithm)
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
+    sharded = shard(adam(1e-2), plan, stage=stage, algorithm=algorithm)
     state: ShardedState = sharded.init(params)
     hooks = register_grad_hooks(params, state)
-    freed = True
+    as_promised = True
     for step in range(6):
         for k in range(micro):
             loss_of(net, micro * step + k, rank).backward()
-            freed = freed and all(p.grad is None for p in params)
+            if stage == 2:
+                as_promised = as_promised and all(p.grad is None for p in params)
+            else:  # the local gradients stay, for the caller
+                used = [p.grad is not None for p in params if p.requires_grad]
+                as_promised = as_promised and sum(used) >= len(used) - 2  # branch: odd steps
             full = sum(loss_of(ref, micro * step + k, r) for r in range(world)) / world
             full.backward()
         opt.step()
         opt.zero_grad()
         state = sharded.step(params, None, state)
+        if stage == 1:
+            net.zero_grad()
     hooks.remove()
     err = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
         for a, b in zip(params, ref.parameters())
     )
     sizes = [s.numel() for s in state.reducer.shards]
-    return err, freed, sizes, [g.shard_numel for g in state.layout.plan.groups]
+    return err, as_promised, sizes, [g.shard_numels[rank] for g in state.layout.plan.groups]
 
 
 @pytest.mark.parametrize(
-    ("world", "strategy", "bucket", "micro", "algorithm"),
+    ("world", "stage", "strategy", "bucket", "micro", "algorithm"),
     [
-        (2, "flat", None, 2, "collective"),  # one chunk per group: one staging buffer
-        (2, "greedy", 128, 1, "rooted"),  # bucket_numel / W: 64, 32, 16 elements per rank
-        (3, "flat", 96, 2, "rooted"),
-        (4, "flat", 64, 1, "collective"),
+        (2, 2, "flat", None, 2, "collective"),  # one bucket per group: one staging buffer
+        (2, 2, "greedy", 128, 1, "rooted"),  # unequal shards, several buckets
+        (3, 2, "flat", 96, 2, "rooted"),
+        (4, 2, "flat", 64, 1, "collective"),
+        (1, 1, "flat", None, 1, "auto"),
+        (2, 1, "greedy", 128, 1, "collective"),
+        (3, 1, "flat", 96, 2, "rooted"),  # stage 1: .grad accumulates across micro-steps
+        (4, 1, "greedy", 1 << 24, 1, "auto"),
     ],
 )
-def test_hooks_match_torch_on_the_full_batch_and_free_every_gradient(
-    run_world, world, strategy, bucket, micro, algorithm
+def test_hooks_match_torch_on_the_full_batch_and_free_or_keep_every_gradient(
+    run_world, world, stage, strategy, bucket, micro, algorithm
 ):
-    for err, freed, sizes, shard_numels in run_world(
-        train_with_hooks, world, strategy, bucket, micro, algorithm
+    for err, as_promised, sizes, shard_numels in run_world(
+        train_with_hooks, world, stage, strategy, bucket, micro, algorithm
     ):
         assert err <= 1e-5
-        assert freed, "a full gradient survived the backward pass"
-        assert sizes == shard_numels  # gradient memory: 1/W of the padded buffer per rank
+        assert as_promised, "stage 2 kept a full gradient, or stage 1 lost one"
+        assert sizes == shard_numels  # gradient memory: the rank's compact shard
 
 
 def hooks_then_plain(rank: int, world: int) -> str:
@@ -119,9 +137,9 @@ def test_step_refuses_gradients_while_hooks_reduce_them(run_world):
         assert message.startswith("shard: expected grads=None in step when gradient hooks")
 
 
-def not_stage2(rank: int, world: int) -> str:
+def already_averaged(rank: int, world: int) -> str:
     params = list(make_net().parameters())
-    state = shard(adam(), plan_partition(params, world)).init(params)
+    state = shard(adam(), plan_partition(params, world), grads_averaged=True).init(params)
     try:
         register_grad_hooks(params, state)
     except ValueError as exc:
@@ -129,6 +147,69 @@ def not_stage2(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_hooks_need_the_state_of_a_stage2_shard(run_world):
-    (message,) = run_world(not_stage2, 1)
-    assert message.startswith("register_grad_hooks: expected the state of a stage 2 shard")
+def test_hooks_need_the_state_of_a_shard_that_reduces_gradients(run_world):
+    (message,) = run_world(already_averaged, 1)
+    assert message.startswith(
+        "register_grad_hooks: expected the state of a shard(...) that reduces gradients"
+    )
+
+
+class MLP(nn.Module):
+    """Four layers of 16 x 16 (272 elements each): one bucket per layer at bucket_numel=272."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def launched_early(
+    rank: int, world: int, stage: int, strategy: str, bucket: int | None
+) -> tuple[float, int]:
+    """(``launched_early`` after each of two backward passes, the smaller, number of buckets)."""
+    torch.manual_seed(0)
+    net = MLP()
+    params = list(net.parameters())
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
+    sharded = shard(adam(1e-2), plan, stage=stage)
+    state = sharded.init(params)
+    hooks = register_grad_hooks(params, state)
+    seen = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        net(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+        seen.append(hooks.launched_early)
+        state = sharded.step(params, None, state)
+        net.zero_grad()
+    hooks.remove()
+    return min(seen), sum(len(g.buckets) for g in plan.groups)
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "strategy", "bucket"),
+    [
+        (2, 2, "flat", 272),
+        (2, 1, "greedy", 272),
+        (4, 2, "greedy", 272),
+        (4, 1, "flat", 272),
+        (2, 2, "flat", None),
+        (4, 1, "greedy", None),
+        (2, 2, "greedy", 1 << 24),
+    ],
+)
+def test_with_several_buckets_most_of_the_reduction_is_launched_during_backward(
+    run_world, world, stage, strategy, bucket
+):
+    """One bucket per layer: the last three layers' buckets (3/4 of the elements) are launched
+    before the first layer's gradients arrive; a single bucket can only start at the end."""
+    for early, buckets in run_world(launched_early, world, stage, strategy, bucket):
+        if bucket == 272:
+            assert buckets >= 4
+            assert early >= 0.5
+        else:
+            assert buckets == 1
+            assert early == 0

@@ -1,4 +1,5 @@
-"""Flat storage: parameters become views of one buffer per group; chunks cover every slice."""
+"""Flat storage: parameters become views of one buffer per group, cut into buckets whose
+shards the ranks own; compact shards put a rank's shards of a group end to end."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from shardopt.core import plan_partition
-from shardopt.functional._layout import build_layout, make_chunks
+from shardopt.functional._layout import build_layout, staging_numel
 
 
 def mixed() -> list[torch.Tensor]:
@@ -19,13 +20,16 @@ def mixed() -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.parametrize("bucket_numel", [None, 6])
 @pytest.mark.parametrize("strategy", ["flat", "greedy"])
 @pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 2)])
-def test_params_become_views_of_one_buffer_per_group_with_their_values(strategy, world, rank):
+def test_params_become_views_of_one_buffer_per_group_with_their_values(
+    strategy, world, rank, bucket_numel
+):
     params = mixed()
     values = [p.clone() for p in params]
-    plan = plan_partition(params, world, strategy=strategy)
-    layout = build_layout(plan, params, rank, None)
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket_numel)
+    layout = build_layout(plan, params, rank)
     assert [b.dtype for b in layout.buffers] == [torch.float32, torch.float64]
     for g, group in enumerate(plan.groups):
         for t, offset in zip(group.tensors, group.offsets):
@@ -37,78 +41,95 @@ def test_params_become_views_of_one_buffer_per_group_with_their_values(strategy,
 
 def test_a_param_moved_out_of_its_buffer_is_reported():
     params = mixed()
-    layout = build_layout(plan_partition(params, 2), params, 0, None)
+    layout = build_layout(plan_partition(params, 2), params, 0)
     params[2].data = params[2].data.clone()
     assert layout.check_views(params) == (
         "the parameters given to init (views of the flat buffers), got params[2] elsewhere"
     )
 
 
-def test_gradient_and_piece_views_alias_the_right_elements():
+@pytest.mark.parametrize("bucket_numel", [None, 6])
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+def test_gradient_and_piece_views_alias_the_right_elements(strategy, bucket_numel):
     params = mixed()
-    plan = plan_partition(params, 2, strategy="flat", align=1)
-    layout = build_layout(plan, params, 1, None)
+    plan = plan_partition(params, 2, strategy=strategy, align=1, bucket_numel=bucket_numel)
+    layout = build_layout(plan, params, 1)
     grads = [torch.arange(p.numel(), dtype=p.dtype).view(p.shape) for p in params]
-    shards = [layout.shard(g) for g in range(len(plan.groups))]
+    shards = [layout.copy_shard_out(g) for g in range(len(plan.groups))]
     for piece, gv, pv in zip(layout.pieces, layout.grad_views(grads), layout.piece_views(shards)):
         expected = torch.arange(piece.start, piece.stop, dtype=gv.dtype)  # type: ignore[union-attr]
         assert torch.equal(gv, expected)  # type: ignore[arg-type]
         assert torch.equal(pv, params[piece.tensor].view(-1)[piece.start : piece.stop])
 
 
-@pytest.mark.parametrize(
-    ("bucket", "expected"), [(None, [(0, 6)]), (12, [(0, 6)]), (8, [(0, 4), (4, 6)])]
-)
-def test_chunks_split_each_slice_into_buckets(bucket, expected):
-    """bucket_numel counts all ranks: the 12-element buffer fits 12, and 8 is 4 per rank."""
-    plan = plan_partition([((11,), "float32"), ((3,), "float64")], 2, align=1)
-    chunks = make_chunks(plan, bucket)
-    assert [(c.start, c.stop) for c in chunks if c.group == 0] == expected
-    assert [(c.start, c.stop) for c in chunks if c.group == 1] == [(0, 2)]
+def many() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(n) for n in (5, 3, 8, 2, 7, 1, 4)] + [torch.randn(6, dtype=torch.float64)]
 
 
-@pytest.mark.parametrize(
-    ("world", "align", "bucket", "width"),
-    [
-        (2, 1, 40, 20),  # bucket_numel // W
-        (3, 1, 40, 13),
-        (3, 16, 200, 64),  # 66 rounded down to the align
-        (7, 16, 1000, 128),  # 142: chunks stay aligned at any W
-        (64, 16, 100, 16),  # less than one align per rank: one align
-    ],
-)
-def test_chunks_hold_bucket_numel_over_w_elements_per_rank_aligned_as_the_plan(
-    world, align, bucket, width
+@pytest.mark.parametrize("bucket_numel", [None, 1, 8, 1 << 24])
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_tensor_is_in_one_bucket_and_each_rank_owns_one_shard_of_each(
+    world, strategy, bucket_numel
 ):
-    plan = plan_partition([((100_000,), "float32")], world, align=align)
-    chunks = make_chunks(plan, bucket)
-    assert {c.numel for c in chunks[:-1]} == {width}
-    assert all(c.start % align == 0 for c in chunks)
-    assert chunks[-1].stop == plan.groups[0].shard_numel
+    """Buckets are runs of whole tensors; rank r's shard of bucket k is the buffer's
+    ``[shard_start(r), + shards[r])``; its compact shard is its bucket shards end to end."""
+    plan = plan_partition(many(), world, strategy=strategy, bucket_numel=bucket_numel)
+    for rank in range(world):
+        params = many()
+        layout = build_layout(plan, params, rank)
+        assert sorted(t for k in layout.keys for t in layout.bucket_tensors[k]) == list(
+            range(len(params))
+        )
+        for key in layout.keys:
+            bucket = layout.bucket(key)
+            for t in layout.bucket_tensors[key]:
+                g, _, offset = plan.locate(t)
+                assert g == key[0]
+                assert bucket.start <= offset
+                assert offset + params[t].numel() <= bucket.stop
+            shard = layout.bucket_shard(key)
+            assert shard.numel() == bucket.shards[rank]
+            base = layout.buffers[key[0]].data_ptr()
+            size = layout.buffers[key[0]].element_size()
+            assert shard.numel() == 0 or shard.data_ptr() == base + bucket.shard_start(rank) * size
+        shards = [layout.copy_shard_out(g) for g in range(len(plan.groups))]
+        assert [s.numel() for s in shards] == [g.shard_numels[rank] for g in plan.groups]
+        for key in layout.keys:
+            assert torch.equal(layout.compact(shards, key), layout.bucket_shard(key))
+        # every piece sits at its offset of the compact shard, and writes back in place
+        for piece, view in zip(layout.pieces, layout.piece_views(shards)):
+            assert torch.equal(view, params[piece.tensor].view(-1)[piece.start : piece.stop])
+        for g, shard in enumerate(shards):
+            layout.copy_shard_in(g, shard + 1)
+        for piece in layout.pieces:
+            want = many()[piece.tensor].view(-1)[piece.start : piece.stop] + 1
+            assert torch.equal(params[piece.tensor].view(-1)[piece.start : piece.stop], want)
 
 
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
 @pytest.mark.parametrize("world", [2, 7, 64, 1024])
-def test_staging_is_bounded_by_bucket_numel_at_any_world_size(world):
-    """Two buffers of W chunks: at most 2 * bucket_numel elements, however many ranks (a
-    per-rank bucket would make them 2 * W * bucket, growing with W)."""
-    bucket = 1 << 15  # at least W * align, so every chunk holds bucket_numel // W elements
-    params = [torch.zeros(200_000)]
-    plan = plan_partition(params, world)
-    layout = build_layout(plan, params, 0, bucket, needs_staging=lambda device, split: True)
-    staging = layout.staging[0]
-    assert staging is not None
-    assert len(layout.chunks) > 1
-    assert staging.numel() <= 2 * bucket
+def test_gradient_staging_holds_two_of_the_largest_buckets_whatever_the_world_size(world, strategy):
+    """Staging is two buckets (one for a single-bucket group), and a bucket is bounded by
+    bucket_numel plus its last tensor and the flat plan's padding: it does not grow with W."""
+    bucket = 1 << 14
+    specs = [((1000,), "float32")] * 100
+    plan = plan_partition(specs, world, strategy=strategy, bucket_numel=bucket)
+    largest = max(b.numel for b in plan.groups[0].buckets)
+    assert staging_numel(plan, 0) == 2 * largest
+    pad = world * plan.align - 1 if strategy == "flat" else 0
+    assert largest <= bucket + 1000 + pad
+    single = plan_partition(specs, world, strategy=strategy, bucket_numel=None)
+    assert staging_numel(single, 0) == single.groups[0].numel
 
 
-def test_staging_exists_only_where_a_collective_cannot_be_in_place():
-    params = [torch.zeros(40), torch.zeros(4, dtype=torch.float64)]
-    plan = plan_partition(params, 2, align=1)
-    layout = build_layout(plan, params, 0, 16)
-    assert layout.staging[0] is not None
-    assert layout.staging[0].shape == (2, 16)  # two in turn: chunks of 8 per rank
-    assert layout.staging[1] is None  # one chunk: gathered in place
-    again = [torch.zeros(40), torch.zeros(4, dtype=torch.float64)]
-    staged = build_layout(plan, again, 0, 16, needs_staging=lambda device, split: True)
-    assert staged.staging[1] is not None
-    assert staged.staging[1].shape == (1, 4)  # one chunk: a single buffer, W * shard_numel
+def test_gradient_shards_are_compact_and_in_the_reduce_dtype():
+    params = [torch.randn(10, dtype=torch.bfloat16), torch.randn(3)]
+    plan = plan_partition(params, 2, strategy="greedy", bucket_numel=4)
+    plain = build_layout(plan, [p.clone() for p in params], 1).ensure_grad_shards()
+    assert [s.dtype for s in plain] == [torch.bfloat16, torch.float32]
+    layout = build_layout(plan, params, 1, reduce_dtype=torch.float32)
+    shards = layout.ensure_grad_shards()
+    assert [s.dtype for s in shards] == [torch.float32, torch.float32]
+    assert [s.numel() for s in shards] == [g.shard_numels[1] for g in plan.groups]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardopt.core import (
+    DEFAULT_BUCKET_NUMEL,
     adadelta,
     adagrad,
     adam,
@@ -104,17 +105,20 @@ def run_case(
     strategy: str,
     bucket: int | None,
     algorithm: str = "auto",
+    grads_averaged: bool = False,
 ) -> tuple[list[float], bool]:
-    """20 steps of ours and of torch; returns each parameter's relative error and bitwise flag."""
+    """20 steps of ours and of torch on the full batch (the rank average of the local
+    gradients); returns each parameter's relative error and bitwise flag. ``step`` gets the
+    rank's LOCAL gradients, or with ``grads_averaged`` (stage 1) the average, as behind DDP."""
     factory, torch_cls, kwargs = {**OPTIMIZERS, **OTHERS}[name]
     params = make_params()
     ref = [p.clone().requires_grad_(i != FROZEN) for i, p in enumerate(params)]
     opt = torch_cls(ref, **kwargs)
     sharded = shard(
         factory(),
-        plan_partition(params, world, strategy=strategy),
+        plan_partition(params, world, strategy=strategy, bucket_numel=bucket),
         stage=stage,
-        bucket_numel=bucket,
+        grads_averaged=grads_averaged,
         algorithm=algorithm,
     )
     state = sharded.init(params)
@@ -123,7 +127,7 @@ def run_case(
         for p, g in zip(ref, avg):
             p.grad = g
         opt.step()
-        mine = avg if stage == 1 else local_grads(step, rank)
+        mine = avg if grads_averaged else local_grads(step, rank)
         state = sharded.step(params, mine, state)
     errors = [rel_error(a, b.detach()) for a, b in zip(params, ref)]
     return errors, all(torch.equal(a, b.detach()) for a, b in zip(params, ref))
@@ -134,8 +138,9 @@ def equivalence_table(
 ) -> list[tuple[str, str, list[float], bool]]:
     rows = []
     for name in names:
-        # a tiny bucket: chunks of one align (16 elements per rank) in the flat plan, so many
-        # chunks and pieces cut at chunk ends; both collective algorithms
+        # a tiny bucket (8 elements: about one tensor per bucket) in the flat plan, so many
+        # buckets, each padded on its own; one bucket per group in the greedy plan; both
+        # collective algorithms
         for strategy, bucket, algorithm in (("flat", 8, "collective"), ("greedy", None, "rooted")):
             errors, bitwise = run_case(rank, world, name, stage, strategy, bucket, algorithm)
             rows.append((name, strategy, errors, bitwise))
@@ -146,12 +151,13 @@ def equivalence_table(
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_optimizer_matches_torch_for_20_steps_on_every_rank(run_world, world, stage):
     """SGD bitwise, with flat plans (tensors cut at arbitrary offsets) and greedy ones; the rest
-    within float32 / float64 tolerance.
+    within float32 / float64 tolerance. Both stages get each rank's LOCAL gradients and must
+    train like torch on the full batch (stage 1 averages them itself).
 
     SGD's bitwise claim needs the same averaged gradient on both sides. The gradients are
     multiples of 1/64 (see :func:`local_grads`), so their sum over ranks is exact in any order:
-    the reduce-scatter of stage 2 (and the caller's average of stage 1) then equals the
-    reference's rank-order sum divided by W to the bit at every W. With arbitrary floats the
+    the reduce-scatter of either stage then equals the reference's rank-order sum divided by W
+    to the bit at every W. With arbitrary floats the
     sum over W > 2 ranks rounds differently in another order (W = 2 is exact: a + b == b + a),
     and only the tolerance would be meaningful.
     """
@@ -174,6 +180,37 @@ def test_the_other_core_optimizers_match_torch_for_20_steps(run_world, world, st
                 assert err <= RTOL[dtype], f"rank {rank}, {name}, {strategy}: error {err:.2e}"
 
 
+def stage1_gradients_table(rank: int, world: int) -> list[tuple[str, str, bool, bool, float]]:
+    """Stage 1, SGD with momentum and Adam, every plan and bucket size: local gradients (step
+    averages them) and DDP-averaged ones with ``grads_averaged=True``, both against torch on
+    the full batch."""
+    rows = []
+    for strategy in ("flat", "greedy"):
+        for bucket in (None, 8, DEFAULT_BUCKET_NUMEL):
+            for grads_averaged in (False, True):
+                for name in ("sgd_momentum", "adam"):
+                    errors, bitwise = run_case(
+                        rank, world, name, 1, strategy, bucket, grads_averaged=grads_averaged
+                    )
+                    rows.append(
+                        (name, f"{strategy}/{bucket}", grads_averaged, bitwise, max(errors))
+                    )
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage1_averages_local_gradients_and_takes_averaged_ones_when_told(run_world, world):
+    """Stage 1 given each rank's LOCAL gradients trains like torch on the full batch (it
+    reduce-scatters them itself; it used to step on them as if averaged), and given the average
+    with ``grads_averaged=True`` (as behind DDP) too: SGD bitwise, Adam within tolerance."""
+    for rank, rows in enumerate(run_world(stage1_gradients_table, world)):
+        for name, plan, grads_averaged, bitwise, error in rows:
+            where = f"rank {rank}, {name}, {plan}, grads_averaged={grads_averaged}"
+            if name.startswith("sgd"):
+                assert bitwise, f"{where}: not bitwise equal to torch (error {error:.2e})"
+            assert error <= RTOL[F32], f"{where}: relative error {error:.2e}"
+
+
 def bitwise_sgd_flat(rank: int, world: int) -> bool:
     """SGD through the flat plan with the pure path (no flat rule): bitwise against the pure path
     on one process, as the split-invariant elementwise ops of the pure path promise."""
@@ -185,13 +222,13 @@ def bitwise_sgd_flat(rank: int, world: int) -> bool:
     tx = sgd(0.1, momentum=0.9, nesterov=True)
     params, ref = make_params(), make_params()
     ref_state = tx.init(ref)
-    sharded = shard(without_rule(tx), plan_partition(params, world), bucket_numel=8)
+    sharded = shard(without_rule(tx), plan_partition(params, world, bucket_numel=8))
     state = sharded.init(params)
     for step in range(STEPS):
         avg = averaged(step, world)
         updates, ref_state = tx.update(avg, ref_state, ref)
         ref = apply_updates(ref, updates)
-        state = sharded.step(params, avg, state)
+        state = sharded.step(params, local_grads(step, rank), state)
     return all(torch.equal(a, b) for a, b in zip(params, ref))
 
 
@@ -215,8 +252,7 @@ def master_weights(rank: int, world: int, stage: int) -> tuple[float, float, lis
         for i, p in enumerate(ref):
             p.grad = torch.stack([g[i] for g in per_rank]).sum(0).float() / world
         opt.step()
-        avg = [torch.stack([g[i] for g in per_rank]).sum(0) / world for i in range(len(shapes))]
-        state = sharded.step(params, avg if stage == 1 else per_rank[rank], state)
+        state = sharded.step(params, per_rank[rank], state)
     master_err = max(
         rel_error(
             m[p.offset : p.offset + p.numel], ref[p.tensor].detach().view(-1)[p.start : p.stop]
@@ -237,7 +273,81 @@ def test_master_weights_keep_float32_state_and_gather_in_param_dtype(run_world, 
         assert dtypes == ["torch.float32"]
 
 
-def owning_nothing(rank: int, world: int) -> tuple[int, list[int], bool]:
+def reduce_in_float32(
+    rank: int, world: int, stage: int, strategy: str, bucket: int | None
+) -> dict[str, Any]:
+    """bfloat16 parameters with float32 master weights, local bfloat16 gradients (normal draws,
+    so that bfloat16 sums round): SGD against torch on float32 copies with the float32 average
+    of the same gradients, with reduce_dtype=float32 and None. Returns the gradient shard dtypes
+    and each run's largest master-weight error."""
+    shapes = [((9, 4), BF16), ((6,), BF16), ((11,), BF16)]
+    out: dict[str, Any] = {}
+    for reduce_dtype in (torch.float32, None):
+        params = make_params(shapes)
+        ref = [p.detach().float().requires_grad_(True) for p in params]
+        opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+        plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
+        sharded = shard(
+            sgd(0.1, momentum=0.9),
+            plan,
+            stage=stage,
+            master_dtype=F32,
+            reduce_dtype=reduce_dtype,
+        )
+        state = sharded.init(params)
+        for step in range(STEPS):
+            per_rank = []
+            for r in range(world):
+                gen = torch.Generator().manual_seed(1000 * step + r)
+                per_rank.append([torch.randn(s, generator=gen).to(BF16) for s, _ in shapes])
+            for i, p in enumerate(ref):
+                p.grad = torch.stack([g[i].float() for g in per_rank]).sum(0) / world
+            opt.step()
+            state = sharded.step(params, per_rank[rank], state)
+        error = (
+            max(
+                rel_error(
+                    m[p.offset : p.offset + p.numel],
+                    ref[p.tensor].detach().view(-1)[p.start : p.stop],
+                )
+                for p in state.layout.pieces
+                if (m := state.master[p.group]) is not None
+            )
+            if state.layout.pieces
+            else 0.0
+        )
+        key = "float32" if reduce_dtype is not None else "none"
+        out[key] = error
+        out[f"{key}_dtypes"] = [str(s.dtype) for s in state.reducer.shards]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "strategy", "bucket"),
+    [
+        (1, 2, "flat", None),
+        (2, 1, "flat", 8),
+        (2, 2, "greedy", None),
+        (3, 1, "greedy", 8),
+        (4, 2, "flat", DEFAULT_BUCKET_NUMEL),
+    ],
+)
+def test_reduce_dtype_float32_keeps_float32_gradient_shards_and_tracks_float32_closer(
+    run_world, world, stage, strategy, bucket
+):
+    """reduce_dtype=float32: the gradient shards are float32 and the float32 master weights
+    stay within float32 rounding of a float32 run (measured: 0), where bfloat16 sums
+    (reduce_dtype None, W > 1) drift by bfloat16 roundings (measured: ~1e-3)."""
+    for rank, out in enumerate(run_world(reduce_in_float32, world, stage, strategy, bucket)):
+        where = f"rank {rank}"
+        assert out["float32_dtypes"] == ["torch.float32"], where
+        assert out["none_dtypes"] == ["torch.bfloat16"], where
+        assert out["float32"] <= 1e-5, f"{where}: {out['float32']:.2e}"
+        if world > 1 and out["none"] > 0:  # a rank owning nothing has no error to compare
+            assert out["float32"] < out["none"], f"{where}: {out}"
+
+
+def owning_nothing(rank: int, world: int) -> tuple[int, list[int], bool, list[int]]:
     """Two tensors over three ranks (greedy): rank 2 owns nothing and still steps along."""
     shapes = [((5,), F32), ((3,), F32)]
     params = make_params(shapes)
@@ -253,33 +363,42 @@ def owning_nothing(rank: int, world: int) -> tuple[int, list[int], bool]:
         state = sharded.step(params, per_rank[rank], state)
     sizes = [b.numel() for f in state.fields if f.kind is FieldKind.ELEMENTWISE for b in f.buffers]
     close = all(rel_error(a, b.detach()) <= 1e-6 for a, b in zip(params, ref))
-    return len(state.layout.pieces), sizes, close
+    own = [g.shard_numels[rank] for g in state.layout.plan.groups]
+    return len(state.layout.pieces), sizes, close, own
 
 
-def test_a_rank_that_owns_nothing_holds_empty_pieces_and_zero_buffers(run_world):
+def test_a_rank_that_owns_nothing_holds_empty_pieces_and_empty_buffers(run_world):
+    """Greedy shards are exact owner blocks: each field buffer holds the rank's own elements
+    (``shard_numels[rank]``), nothing padded to the largest rank, so rank 2's are empty."""
     results = run_world(owning_nothing, 3)
     assert [r[0] for r in results] == [1, 1, 0]
     assert all(r[2] for r in results)
-    assert results[2][1] == results[0][1]  # the same field buffers (sizes) on every rank
+    for _, sizes, _, own in results:
+        assert sizes == own * 2  # Adam's two moments
+    assert [r[1] for r in results] == [[5, 5], [3, 3], [0, 0]]
 
 
 def stage1_accumulation(rank: int, world: int) -> bool:
-    """Stage 1: the caller sums micro-step gradients and passes the average at the boundary."""
+    """Stage 1: the caller sums its local micro-step gradients and passes the sum at the
+    boundary; step averages it over ranks (the reference steps on the averaged sum)."""
     params = make_params()
     ref = [p.clone().requires_grad_(True) for p in params]
     opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
     sharded = shard(sgd(0.1, momentum=0.9), plan_partition(params, world, strategy="greedy"))
     state = sharded.init(params)
     for step in range(4):
-        micro = [averaged(2 * step + k, world) for k in range(2)]
-        summed = [
-            None if a is None and b is None else sum(x for x in (a, b) if x is not None)
-            for a, b in zip(*micro)
-        ]
-        for p, g in zip(ref, summed):
+
+        def summed(micro: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+            return [
+                None if a is None and b is None else sum(x for x in (a, b) if x is not None)
+                for a, b in zip(*micro)
+            ]
+
+        for p, g in zip(ref, summed([averaged(2 * step + k, world) for k in range(2)])):
             p.grad = g
         opt.step()
-        state = sharded.step(params, summed, state)
+        mine = summed([local_grads(2 * step + k, rank) for k in range(2)])
+        state = sharded.step(params, mine, state)
     return all(torch.equal(a, b.detach()) for a, b in zip(params, ref))
 
 
@@ -312,15 +431,25 @@ def test_stage2_steps_a_parameter_that_any_rank_has_a_gradient_for(run_world):
 
 
 class ShardCandidate:
-    """A sharded optimizer as an assert_matches_torch candidate (local gradients in ``.grad``)."""
+    """A sharded optimizer as an assert_matches_torch candidate (local gradients in ``.grad``,
+    or their average with ``grads_averaged``)."""
 
     def __init__(
-        self, model: nn.Module, world: World, name: str, stage: int, strategy: str, hooks: bool
+        self,
+        model: nn.Module,
+        world: World,
+        name: str,
+        stage: int,
+        strategy: str,
+        hooks: bool,
+        grads_averaged: bool,
     ) -> None:
         factory = {**OPTIMIZERS, **OTHERS}[name][0]
         self.params = list(model.parameters())
         plan = plan_partition(self.params, world.world_size, strategy=strategy)
-        self.sharded = shard(factory(), plan, group=world.group, stage=stage)
+        self.sharded = shard(
+            factory(), plan, group=world.group, stage=stage, grads_averaged=grads_averaged
+        )
         self.state = self.sharded.init(self.params)
         if hooks:
             register_grad_hooks(self.params, self.state)
@@ -330,35 +459,46 @@ class ShardCandidate:
 
 
 def build_candidate(
-    model: nn.Module, world: World, name: str, stage: int, strategy: str, hooks: bool
+    model: nn.Module,
+    world: World,
+    name: str,
+    stage: int,
+    strategy: str,
+    hooks: bool,
+    grads_averaged: bool,
 ) -> ShardCandidate:
-    return ShardCandidate(model, world, name, stage, strategy, hooks)
+    return ShardCandidate(model, world, name, stage, strategy, hooks, grads_averaged)
 
 
-# (problem, world size, stage, strategy, optimizer, hooks): every reference model, every world
-# size, both stages and strategies, the hook form, each optimizer at least once.
+# (problem, world size, stage, strategy, optimizer, hooks, gradients): every reference model,
+# every world size, both stages and strategies, the hook form in both stages, each optimizer at
+# least once; stage 1 with local gradients (it averages them) and with DDP-averaged ones
+# (``grads_averaged=True``, the candidate all-reducing first).
 REFERENCE_RUNS = [
-    ("frozen", 1, 1, "flat", "sgd_nesterov", False),
-    ("frozen", 3, 2, "greedy", "adamw_amsgrad", True),
-    ("mixed_dtypes", 2, 1, "greedy", "sgd_momentum", False),
-    ("mixed_dtypes", 2, 2, "flat", "adam", True),
-    ("mlp", 4, 2, "flat", "adam", True),
-    ("sometimes_unused", 2, 2, "flat", "rmsprop_centered", False),
-    ("sometimes_unused", 4, 1, "greedy", "adagrad", False),
-    ("sometimes_unused", 3, 2, "flat", "adam", True),
-    ("gpt", 2, 2, "flat", "adamw_amsgrad", True),
-    ("conv", 3, 1, "flat", "sgd_momentum", False),
+    ("frozen", 1, 1, "flat", "sgd_nesterov", False, "ddp"),
+    ("frozen", 3, 2, "greedy", "adamw_amsgrad", True, "local"),
+    ("mixed_dtypes", 2, 1, "greedy", "sgd_momentum", False, "local"),
+    ("mixed_dtypes", 2, 2, "flat", "adam", True, "local"),
+    ("mlp", 4, 2, "flat", "adam", True, "local"),
+    ("sometimes_unused", 2, 2, "flat", "rmsprop_centered", False, "local"),
+    ("sometimes_unused", 4, 1, "greedy", "adagrad", False, "ddp"),
+    ("sometimes_unused", 3, 2, "flat", "adam", True, "local"),
+    ("gpt", 2, 2, "flat", "adamw_amsgrad", True, "local"),
+    ("conv", 3, 1, "flat", "sgd_momentum", True, "local"),
 ]
 
 
-@pytest.mark.parametrize(("problem", "world", "stage", "strategy", "name", "hooks"), REFERENCE_RUNS)
+@pytest.mark.parametrize(
+    ("problem", "world", "stage", "strategy", "name", "hooks", "grads"), REFERENCE_RUNS
+)
 def test_reference_models_train_like_torch_for_20_steps(
-    problem, world, stage, strategy, name, hooks
+    problem, world, stage, strategy, name, hooks, grads
 ):
+    ddp = grads == "ddp"
     candidate = functools.partial(
-        build_candidate, name=name, stage=stage, strategy=strategy, hooks=hooks
+        build_candidate, name=name, stage=stage, strategy=strategy, hooks=hooks, grads_averaged=ddp
     )
-    if stage == 1:  # stage 1 steps with averaged gradients, as behind DDP
+    if ddp:  # the candidate all-reduces to the mean before step, as behind DDP
         candidate = with_gradient_averaging(candidate)
     _, torch_cls, kwargs = {**OPTIMIZERS, **OTHERS}[name]
     is_sgd = name.startswith("sgd")

@@ -10,10 +10,10 @@ from shardopt.functional._layout import build_layout
 from shardopt.functional._state import FieldKind, flatten_state, probe_fields, slice_state
 
 
-def layout_for(world: int, rank: int, strategy: str = "flat"):
+def layout_for(world: int, rank: int, strategy: str = "flat", bucket_numel: int | None = None):
     params = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(9)]
-    plan = plan_partition(params, world, strategy=strategy, align=1)
-    return build_layout(plan, params, rank, None)
+    plan = plan_partition(params, world, strategy=strategy, align=1, bucket_numel=bucket_numel)
+    return build_layout(plan, params, rank)
 
 
 def probes(layout) -> list[torch.Tensor]:
@@ -32,12 +32,14 @@ def test_adam_fields_are_two_elementwise_moments_and_a_per_piece_count():
     ]
 
 
+@pytest.mark.parametrize("bucket_numel", [None, 8])  # one bucket per group; one per tensor
 @pytest.mark.parametrize("strategy", ["flat", "greedy"])
 @pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 1)])
-def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank):
-    layout = layout_for(world, rank, strategy)
+def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank, bucket_numel):
+    """Compact shards: ``shard_numels[rank]`` elements per group, piece k at its offset."""
+    layout = layout_for(world, rank, strategy, bucket_numel)
     tx = adagrad(initial_accumulator_value=0.5)
-    shards = [layout.shard(g) for g in range(len(layout.buffers))]
+    shards = [layout.copy_shard_out(g) for g in range(len(layout.buffers))]
     pieces = layout.piece_views(shards)
     inner, fields, sliceable = flatten_state(
         tx.init(pieces), layout, probe_fields(tx, probes(layout))
@@ -46,7 +48,7 @@ def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank):
     elementwise = [f for f in fields if f.kind is FieldKind.ELEMENTWISE]
     assert elementwise, "adagrad's sum of squares should be elementwise"
     for f in elementwise:
-        assert [b.numel() for b in f.buffers] == [g.shard_numel for g in layout.plan.groups]
+        assert [b.numel() for b in f.buffers] == [g.shard_numels[rank] for g in layout.plan.groups]
         for p in layout.pieces:
             assert torch.all(f.buffers[p.group][p.offset : p.offset + p.numel] == 0.5)
     count = next(f for f in fields if f.kind is FieldKind.PER_PIECE)
@@ -66,7 +68,7 @@ def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank):
 def test_slices_share_the_tensors_of_the_whole_state():
     layout = layout_for(1, 0)
     tx = sgd(0.1, momentum=0.9)
-    shards = [layout.shard(g) for g in range(len(layout.buffers))]
+    shards = [layout.copy_shard_out(g) for g in range(len(layout.buffers))]
     inner, _, _ = flatten_state(
         tx.init(layout.piece_views(shards)), layout, probe_fields(tx, probes(layout))
     )
@@ -82,7 +84,7 @@ def test_a_global_state_tensor_makes_the_state_unsliceable():
 
     tx = Transformation(init, adam().update)
     layout = layout_for(1, 0)
-    shards = [layout.shard(g) for g in range(len(layout.buffers))]
+    shards = [layout.copy_shard_out(g) for g in range(len(layout.buffers))]
     _, _, sliceable = flatten_state(
         tx.init(layout.piece_views(shards)), layout, probe_fields(tx, probes(layout))
     )

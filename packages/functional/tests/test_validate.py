@@ -118,7 +118,13 @@ def test_every_bad_input_raises_on_every_rank_and_leaves_the_group_usable(run_wo
     ("kwargs", "message"),
     [
         ({"stage": 3}, "shard: expected stage 1 or 2, got 3"),
-        ({"bucket_numel": 0}, "shard: expected bucket_numel None or an int >= 1, got 0"),
+        ({"stage": 2, "grads_averaged": True}, "shard: expected grads_averaged=False with stage=2"),
+        ({"grads_averaged": 1}, "shard: expected grads_averaged a bool, got 1"),
+        (
+            {"grads_averaged": True, "reduce_dtype": torch.float32},
+            "shard: expected reduce_dtype=None with grads_averaged=True",
+        ),
+        ({"reduce_dtype": torch.int32}, "shard: expected reduce_dtype None or a float dtype"),
         ({"master_dtype": torch.int32}, "shard: expected master_dtype None or a float dtype"),
         ({"max_norm": -1.0}, "shard: expected max_norm None or > 0, got -1.0"),
     ],

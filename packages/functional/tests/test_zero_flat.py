@@ -144,8 +144,8 @@ def test_mixed_dtypes_train_like_torch_optim_with_one_flat_group_per_dtype(
             o.step()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)  # the same torch.optim.Adam, on each owner
-    assert ours._param_sync is not None
-    assert len(ours._param_sync.plan.groups) == 2  # float32 and float64: one sync each
+    assert ours._staged is not None
+    assert len(ours._staged.plan.groups) == 2  # float32 and float64: one flat group each
 
 
 @pytest.mark.world(2, backend="gloo", timeout=120)
@@ -187,7 +187,8 @@ def test_flat_state_is_split_exactly_and_readable_through_optim(world: World, n:
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
     dist.all_gather(gathered, held)
     total = sum(p.numel() for p in model.parameters())
-    shard = ours.optim.units()[0].plan.groups[0].shard_numel
+    (bucket,) = ours.optim.units()[0].plan.groups[0].buckets  # a small model: one bucket
+    shard = bucket.shards[0]
     assert [g.item() for g in gathered] == [min(shard, max(total - r * shard, 0)) for r in range(n)]
     fields = ours.optim.units()[0].state.fields
     assert {b.numel() for f in fields if f.kind.value == "elementwise" for b in f.buffers} == {

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import plan_partition
+from shardopt.functional._layout import build_layout
+from shardopt.functional._param_sync import StagedSync
 from shardopt.optim import ZeroRedundancyOptimizer
-from shardopt.optim._zero_sync import ParamSync
 from shardopt.testing import World
 
 RECORDED = ("all_gather_single", "all_gather_into_tensor", "broadcast", "gather", "gather_object")
@@ -72,78 +73,106 @@ def test_a_step_sends_one_broadcast_per_rank_not_one_per_parameter(
     assert len(calls) < len(list(model.parameters()))
 
 
+SHAPES = ((7, 3), (11,), (5, 5), (2,), (13, 2), (1,), (9,))
+
+
 def sync_case(
     rank: int,
     view: bool,
-    staging: int,
+    bucket_numel: int | None,
     algorithm: str,
-    direct: int = 1 << 30,
-    shapes: tuple[tuple[int, ...], ...] = ((7, 3), (11,), (5, 5), (2,), (13, 2), (1,), (9,)),
-) -> tuple[bool, bool, int]:
-    params = [torch.full(s, float(rank + 1)) for s in shapes]  # every rank its own values
-    plan = plan_partition(params, dist.get_world_size(), strategy="greedy")
+    shapes: tuple[tuple[int, ...], ...] = SHAPES,
+) -> tuple[bool, bool, list[tuple[str, int]], Any]:
+    """Every rank starts from its own values; one parameter sync of a greedy plan."""
+    params = [torch.full(s, float(rank + 1)) for s in shapes]
+    world = dist.get_world_size()
+    plan = plan_partition(params, world, strategy="greedy", bucket_numel=bucket_numel)
     ptrs = [p.data_ptr() for p in params]
-    options = {"staging_numel": staging, "direct_numel": direct, "algorithm": algorithm}
-    sync = ParamSync(plan, params, rank, None, views=view, **options)
+    if view:
+        with torch.no_grad():  # the buffers are filled from the parameters as they are
+            layout = build_layout(plan, params, rank, algorithm=algorithm)
+        run: Any = layout.sync_params
+    else:
+        sync = StagedSync(plan, params, rank, algorithm=algorithm)
+        run = sync.sync
     with recording() as calls:
-        sync.sync()
+        run()
     assert plan.owners is not None
     right = all(torch.all(p == plan.owners[t] + 1) for t, p in enumerate(params))
     kept = [p.data_ptr() for p in params] == ptrs
-    staged = [s.numel() for s in sync._staging if s is not None]
-    assert all(size <= staging for size in staged)
-    return right, kept, len(calls)
-
-
-def small_owners(n: int) -> set[int]:
-    """The ranks owning the tensors of fewer than 10 elements in :func:`sync_case`."""
-    numels = [21, 11, 25, 2, 26, 1, 9]
-    owners = plan_partition([((k,), "float32") for k in numels], n, strategy="greedy").owners
-    assert owners is not None
-    return {owners[t] for t, k in enumerate(numels) if k < 10}
+    return right, kept, calls, None if view else sync
 
 
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.world("n", backend="gloo", timeout=120)
 def test_staged_and_view_syncs_deliver_every_owner_s_values(world: World, n: int) -> None:
-    """Both storages, both collective algorithms, and a staging buffer far smaller than the
-    parameters (many chunks): every parameter ends with its owner's values; staged syncs leave
-    the parameters in their own storage and keep the staging within its bound."""
+    """Both storages, both collective algorithms, one or several buckets: every parameter ends
+    with its owner's values; staged syncs leave the parameters in their own storage and stage at
+    most two of the largest multi-tensor buckets."""
     for view in (False, True):
         for algorithm in ("rooted", "collective"):
-            right, kept, calls = sync_case(world.rank, view, 4 * n, algorithm)
-            assert right, (view, algorithm)
-            assert kept != view, (view, algorithm)
-            if view:  # unequal blocks: one broadcast per rank, whatever the algorithm
-                assert calls == n
-    balanced = ((6, 4),) * n + ((5,),) * n
-    for algorithm in ("rooted", "collective"):  # equal blocks: all-gathered in place
-        right, _, calls = sync_case(world.rank, True, 4 * n, algorithm, shapes=balanced)
+            for bucket_numel in (None, 30):
+                right, kept, calls, sync = sync_case(world.rank, view, bucket_numel, algorithm)
+                assert right, (view, algorithm, bucket_numel)
+                assert kept != view, (view, algorithm, bucket_numel)
+                if view and bucket_numel is None:  # unequal shards: one broadcast per owner
+                    assert [name for name, _ in calls] == ["broadcast"] * n
+                if sync is not None:
+                    for staging in sync._staging.values():
+                        assert staging[0].numel() <= sum(s.numel() for s in SHAPES_T)
+
+
+SHAPES_T = [torch.empty(s) for s in SHAPES]
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_equal_greedy_shards_are_all_gathered_in_place_under_collective(world: World) -> None:
+    balanced = ((6, 4), (6, 4), (5,), (5,))
+    for algorithm, expected in (("rooted", ["broadcast"] * 2), ("collective", None)):
+        right, _, calls, _ = sync_case(world.rank, True, None, algorithm, shapes=balanced)
         assert right
-        assert calls == (n if algorithm == "rooted" else 1)
-    # staged, rooted: the 4 tensors of >= 10 elements in place, the 3 small ones packed in one
-    # chunk: one broadcast per rank owning one of them
-    right, kept, calls = sync_case(world.rank, False, 1 << 10, "rooted", direct=10)
+        names = [name for name, _ in calls]
+        if expected is None:
+            assert len(names) == 1
+            assert names[0].startswith("all_gather")
+        else:
+            assert names == expected
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_a_tensor_alone_in_its_bucket_is_broadcast_from_the_parameter_itself(
+    world: World,
+) -> None:
+    """A tensor larger than bucket_numel is its own bucket: no staging for it."""
+    shapes = ((40,), (3,), (2,))
+    right, kept, calls, sync = sync_case(world.rank, False, 8, "rooted", shapes=shapes)
     assert right
     assert kept
-    assert calls == 4 + len(small_owners(n))
+    assert ("broadcast", 40 * 4) in calls
+    assert all(s.shape[-1] < 40 for s in sync._staging.values())
 
 
 @pytest.mark.parametrize("view", [False, True], ids=["staged", "bucket_view"])
 @pytest.mark.world(3, backend="gloo", timeout=120)
 def test_sync_params_of_sends_only_the_given_parameters(world: World, view: bool) -> None:
-    params = [torch.full((4 + i,), float(world.rank)) for i in range(6)]
-    plan = plan_partition(params, 3, strategy="greedy")
-    sync = ParamSync(plan, params, world.rank, None, views=view)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4 + i, 1, bias=False) for i in range(6)])
+    params = list(model.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.fill_(float(world.rank))
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, parameters_as_bucket_view=view)
+    with torch.no_grad():  # the constructor synced them; give every rank its own values again
+        for p in params:
+            p.fill_(float(world.rank))
     chosen = [params[4], params[1], params[2]]
-    for handle in sync.sync_of(chosen, async_op=True):
+    for handle in zero._sync_params_of(chosen, async_op=True):
         handle.wait()
-    assert plan.owners is not None
-    for t, p in enumerate(params):
-        expected = plan.owners[t] if any(p is c for c in chosen) else world.rank
-        assert torch.all(p == expected), t
+    for p in params:
+        owner = zero._param_to_rank[p]
+        expected = owner if any(p is c for c in chosen) else world.rank
+        assert torch.all(p == expected)
     with pytest.raises(ValueError, match=r"_sync_params_of: expected parameters of this"):
-        sync.sync_of([torch.zeros(3)], async_op=False)
+        zero._sync_params_of([torch.zeros(3)], async_op=False)
 
 
 @pytest.mark.parametrize("partition", ["greedy", "flat"])

@@ -25,11 +25,12 @@ from shardopt.core._combinators import MaskedState, PartitionState, masked, part
 from shardopt.core._flat import FlatRule, flat_rule, update_flat_, with_flat_rule
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._plan import (
+    DEFAULT_BUCKET_NUMEL,
+    Bucket,
     FlatGroup,
     Piece,
     Plan,
     Strategy,
-    SyncCost,
     TensorSpec,
     plan_partition,
 )
@@ -66,6 +67,8 @@ __all__ = [
     "AdagradConfig",
     "AdamConfig",
     "EmptyState",
+    "Bucket",
+    "DEFAULT_BUCKET_NUMEL",
     "FlatGroup",
     "FlatRule",
     "MaskedState",
@@ -87,7 +90,6 @@ __all__ = [
     "ScaleByScheduleState",
     "Schedule",
     "Strategy",
-    "SyncCost",
     "TensorSpec",
     "TraceState",
     "Transformation",

@@ -13,10 +13,10 @@ from shardopt.core._plan_input import collect_specs
 from shardopt.core._plan_io import plan_fields, plan_to_dict
 from shardopt.core._plan_layout import assign_greedy, layout_flat, layout_greedy
 from shardopt.core._plan_spec import (
+    Bucket,
     FlatGroup,
     Piece,
     Strategy,
-    SyncCost,
     TensorSpec,
     check_int,
     check_ints,
@@ -25,7 +25,16 @@ from shardopt.core._plan_spec import (
     short,
 )
 
-__all__ = ["FlatGroup", "Piece", "Plan", "Strategy", "SyncCost", "TensorSpec", "plan_partition"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL",
+    "Bucket",
+    "FlatGroup",
+    "Piece",
+    "Plan",
+    "Strategy",
+    "TensorSpec",
+    "plan_partition",
+]
 
 _STRATEGIES = tuple(s.value for s in Strategy)
 
@@ -44,10 +53,13 @@ DEFAULT_ALIGN = {Strategy.FLAT: 16, Strategy.GREEDY: 1}
 # Every property the sharded layer relies on follows: each element of each tensor is owned by
 # exactly one rank, slices are equal and aligned, offsets are consistent.
 
-# [Note: sync cost]
-# One parameter sync is one all-gather per group (the functional layer gathers each flat buffer
-# in one call). In a ring all-gather, each rank sends W - 1 shards and receives W - 1 shards,
-# padding included since the padded shard is what goes on the wire.
+# [Note: default bucket size]
+# ``bucket_numel`` counts the elements of one bucket, all ranks together: one collective's whole
+# buffer. 1 << 24 is 64 MiB of float32 (32 MiB of bfloat16) per call: past the sizes where
+# NCCL's all-gathers and reduce-scatters reach most of their bandwidth (DDP's buckets are 25 MiB),
+# small enough that the gradient staging of a bucket stays bounded at any world size, and large
+# enough that a small model is one bucket: one call per step, as cheap as it gets on gloo.
+DEFAULT_BUCKET_NUMEL = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +71,8 @@ class Plan:
 
     Example:
         >>> plan = plan_partition([((4, 3), "float32"), ((5,), "bfloat16")], 2)
-        >>> [(g.dtype, g.shard_numel) for g in plan.groups], plan.numel_per_rank()
-        ([('float32', 16), ('bfloat16', 16)], (17, 0))
+        >>> [(g.dtype, g.shard_numels) for g in plan.groups], plan.numel_per_rank()
+        ([('float32', (16, 16)), ('bfloat16', (16, 16))], (17, 0))
     """
 
     strategy: Strategy
@@ -69,16 +81,19 @@ class Plan:
     tensors: tuple[TensorSpec, ...]
     groups: tuple[FlatGroup, ...]
     owners: tuple[int, ...] | None
-    # (group, position in the group) of each tensor; derived, so not compared nor serialised.
-    _where: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    # (group, bucket, offset in the group's buffer) of each tensor; derived, so not compared
+    # nor serialised.
+    _where: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_fields()
         self._check_layout()
-        where: list[tuple[int, int]] = [(0, 0)] * len(self.tensors)
+        where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(self.tensors)
         for g, group in enumerate(self.groups):
-            for k, t in enumerate(group.tensors):
-                where[t] = (g, k)
+            stops = [b.stop for b in group.buckets]
+            for t, offset in zip(group.tensors, group.offsets):
+                where[t] = (g, bisect_right(stops, offset), offset)
         object.__setattr__(self, "_where", tuple(where))
 
     def _check_fields(self) -> None:
@@ -87,6 +102,8 @@ class Plan:
         object.__setattr__(self, "strategy", Strategy(self.strategy))
         check_int("Plan", "world_size", self.world_size, 1)
         check_int("Plan", "align", self.align, 1)
+        if self.bucket_numel is not None:
+            check_int("Plan", "bucket_numel", self.bucket_numel, 1)
         for name, kind in (("tensors", TensorSpec), ("groups", FlatGroup)):
             value = getattr(self, name)
             if not isinstance(value, (tuple, list)) or not all(isinstance(v, kind) for v in value):
@@ -109,7 +126,9 @@ class Plan:
                 raise ValueError(
                     f"Plan: expected owners=None for strategy 'flat', got {short(self.owners)}"
                 )
-            expected = layout_flat(self.tensors, numels, self.world_size, self.align)
+            expected = layout_flat(
+                self.tensors, numels, self.world_size, self.align, self.bucket_numel
+            )
         else:
             owners = check_ints("Plan", "owners", self.owners, 0)
             object.__setattr__(self, "owners", owners)
@@ -123,14 +142,16 @@ class Plan:
                 raise ValueError(
                     f"Plan: owners break the greedy rule{first_difference(rule, owners)}"
                 )
-            expected = layout_greedy(self.tensors, numels, owners, self.world_size, self.align)
+            expected = layout_greedy(
+                self.tensors, numels, owners, self.world_size, self.align, self.bucket_numel
+            )
         if len(self.groups) != len(expected):
             raise ValueError(
                 f"Plan: expected {len(expected)} groups (one per (dtype, device), in order of "
                 f"first appearance), got {len(self.groups)}"
             )
         for g, (got, want) in enumerate(zip(self.groups, expected)):
-            for name in ("dtype", "device", "tensors", "offsets", "shard_numel", "world_size"):
+            for name in ("dtype", "device", "tensors", "offsets", "buckets", "world_size"):
                 if getattr(got, name) != getattr(want, name):
                     raise ValueError(
                         f"Plan: groups[{g}].{name} breaks the {self.strategy.value} layout rule"
@@ -140,11 +161,14 @@ class Plan:
     def __repr__(self) -> str:
         return (
             f"Plan(strategy={self.strategy.value!r}, world_size={self.world_size}, "
-            f"align={self.align}, tensors=<{len(self.tensors)}>, groups=<{len(self.groups)}>)"
+            f"align={self.align}, bucket_numel={self.bucket_numel}, "
+            f"tensors=<{len(self.tensors)}>, groups=<{len(self.groups)}>)"
         )
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         """What ``rank`` owns: pieces ordered by (group, offset in the rank's shard).
+
+        A piece is the part of one tensor in one of the rank's bucket shards.
 
         Example:
             >>> plan = plan_partition([((3, 2), "float32"), ((4,), "float32")], 2, align=1)
@@ -158,15 +182,32 @@ class Plan:
             )
         out = []
         for g, group in enumerate(self.groups):
-            lo, hi = rank * group.shard_numel, (rank + 1) * group.shard_numel
-            k = max(bisect_right(group.offsets, lo) - 1, 0)
-            while lo < hi and k < len(group.offsets) and group.offsets[k] < hi:
-                t, begin = group.tensors[k], group.offsets[k]
-                start, stop = max(begin, lo), min(begin + self.tensors[t].numel, hi)
-                if start < stop:
-                    out.append(Piece(t, start - begin, stop - begin, g, start - lo))
-                k += 1
+            base = 0  # where this bucket's shard starts in the rank's shard of the group
+            for bucket in group.buckets:
+                lo = bucket.shard_start(rank)
+                hi = lo + bucket.shards[rank]
+                k = max(bisect_right(group.offsets, lo) - 1, 0)
+                while lo < hi and k < len(group.offsets) and group.offsets[k] < hi:
+                    t, begin = group.tensors[k], group.offsets[k]
+                    start, stop = max(begin, lo), min(begin + self.tensors[t].numel, hi)
+                    if start < stop:
+                        out.append(Piece(t, start - begin, stop - begin, g, base + start - lo))
+                    k += 1
+                base += bucket.shards[rank]
         return tuple(out)
+
+    def locate(self, tensor: int) -> tuple[int, int, int]:
+        """(group, bucket, offset in the group's flat buffer) of ``tensors[tensor]``.
+
+        Example:
+            >>> plan = plan_partition([((3,), "float32"), ((4,), "float32")], 2, bucket_numel=4)
+            >>> plan.locate(0), plan.locate(1)
+            ((0, 0, 0), (0, 1, 32))
+        """
+        check_int("Plan.locate", "tensor", tensor, 0)
+        if tensor >= len(self.tensors):
+            raise ValueError(f"Plan.locate: expected tensor < {len(self.tensors)}, got {tensor}")
+        return self._where[tensor]
 
     def tensor_pieces(self, tensor: int) -> tuple[tuple[int, Piece], ...]:
         """The (rank, piece) pairs that cover ``tensors[tensor]``, in element order.
@@ -181,25 +222,34 @@ class Plan:
             raise ValueError(
                 f"Plan.tensor_pieces: expected tensor < {len(self.tensors)}, got {tensor}"
             )
-        g, k = self._where[tensor]
-        shard = self.groups[g].shard_numel
-        begin = self.groups[g].offsets[k]
+        g, b, begin = self._where[tensor]
+        group = self.groups[g]
+        bucket = group.buckets[b]
         end = begin + self.tensors[tensor].numel
+        if end == begin:
+            return ()
+        if self.owners is None:  # flat: the ranks it touches follow from the shard size
+            n = bucket.shards[0]
+            ranks: Iterable[int] = range(
+                (begin - bucket.start) // n, (end - 1 - bucket.start) // n + 1
+            )
+        else:  # greedy: the owner's shard holds the whole tensor
+            assert self.owners is not None
+            ranks = (self.owners[tensor],)
         out = []
-        for rank in range(begin // shard, (end - 1) // shard + 1) if end > begin else ():
-            start, stop = max(begin, rank * shard), min(end, (rank + 1) * shard)
-            out.append((rank, Piece(tensor, start - begin, stop - begin, g, start - rank * shard)))
+        for rank in ranks:
+            lo = bucket.shard_start(rank)
+            start, stop = max(begin, lo), min(end, lo + bucket.shards[rank])
+            base = sum(x.shards[rank] for x in group.buckets[:b])
+            out.append((rank, Piece(tensor, start - begin, stop - begin, g, base + start - lo)))
         return tuple(out)
 
     def _owned(self, weighted: bool) -> tuple[int, ...]:
         totals = [0] * self.world_size
-        for group in self.groups:
-            shard, weight = group.shard_numel, itemsize(group.dtype) if weighted else 1
-            for t, begin in zip(group.tensors, group.offsets):
-                end = begin + self.tensors[t].numel
-                for rank in range(begin // shard, (end - 1) // shard + 1) if end > begin else ():
-                    owned = min(end, (rank + 1) * shard) - max(begin, rank * shard)
-                    totals[rank] += owned * weight
+        for t, spec in enumerate(self.tensors):
+            weight = itemsize(spec.dtype) if weighted else 1
+            for rank, piece in self.tensor_pieces(t):
+                totals[rank] += piece.numel * weight
         return tuple(totals)
 
     def numel_per_rank(self) -> tuple[int, ...]:
@@ -231,16 +281,6 @@ class Plan:
         total = sum(owned)
         return max(owned) * self.world_size / total if total else 1.0
 
-    def sync_cost(self) -> SyncCost:
-        """The collectives and bytes of one parameter all-gather (see [Note: sync cost]).
-
-        Example:
-            >>> plan_partition([((3, 2), "float32"), ((4,), "float32")], 4).sync_cost()
-            SyncCost(collectives=1, send_bytes_per_rank=192, recv_bytes_per_rank=192)
-        """
-        moved = sum((self.world_size - 1) * g.shard_numel * itemsize(g.dtype) for g in self.groups)
-        return SyncCost(len(self.groups), moved, moved)
-
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON-compatible data; :meth:`from_dict` inverts it exactly.
 
@@ -257,8 +297,8 @@ class Plan:
 
         Example:
             >>> data = plan_partition([((3, 2), "float32")], 2).to_dict()
-            >>> Plan.from_dict(data).groups[0].shard_numel
-            16
+            >>> Plan.from_dict(data).groups[0].buckets
+            (Bucket(start=0, shards=(16, 16)),)
         """
         return cls(**plan_fields(data))
 
@@ -267,7 +307,7 @@ class Plan:
 
         Example:
             >>> plan_partition([((2,), "float32")], 1).to_json()[:20]
-            '{"align":16,"groups"'
+            '{"align":16,"bucket_'
         """
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
@@ -309,6 +349,7 @@ def plan_partition(
     *,
     strategy: Strategy | str = "flat",
     align: int | None = None,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
 ) -> Plan:
     """Plans which rank owns which elements of ``tensors``, for ``world_size`` ranks.
 
@@ -323,14 +364,16 @@ def plan_partition(
             [Note: plan layout].
         align: shard alignment in elements; 16 for flat and 1 for greedy by default
             (see [Note: default alignment]).
+        bucket_numel: the elements of one bucket, all ranks together (see [Note: plan layout]
+            and [Note: default bucket size]); None: one bucket per group.
 
     Returns:
         A frozen, validated :class:`Plan`.
 
     Example:
         >>> plan = plan_partition([((4, 3), "float32"), ((5,), "float32")], 2, align=1)
-        >>> plan.groups[0].shard_numel, [(p.tensor, p.start, p.stop) for p in plan.pieces(1)]
-        (9, [(0, 9, 12), (1, 0, 5)])
+        >>> plan.groups[0].shard_numels, [(p.tensor, p.start, p.stop) for p in plan.pieces(1)]
+        ((9, 9), [(0, 9, 12), (1, 0, 5)])
         >>> plan_partition([((4, 3), "float32"), ((5,), "float32")], 2, strategy="greedy").owners
         (0, 1)
     """
@@ -340,11 +383,13 @@ def plan_partition(
         raise ValueError(f"{api}: expected strategy in {_STRATEGIES}, got {strategy!r}")
     strategy = Strategy(strategy)
     align = check_int(api, "align", DEFAULT_ALIGN[strategy] if align is None else align, 1)
+    if bucket_numel is not None:
+        check_int(api, "bucket_numel", bucket_numel, 1)
     specs = collect_specs(api, tensors)
     numels = [t.numel for t in specs]
     if strategy is Strategy.FLAT:
-        groups = layout_flat(specs, numels, world_size, align)
-        return Plan(strategy, world_size, align, specs, groups, None)
+        groups = layout_flat(specs, numels, world_size, align, bucket_numel)
+        return Plan(strategy, world_size, align, specs, groups, None, bucket_numel)
     owners = assign_greedy(numels, [t.param_group for t in specs], world_size)
-    groups = layout_greedy(specs, numels, owners, world_size, align)
-    return Plan(strategy, world_size, align, specs, groups, owners)
+    groups = layout_greedy(specs, numels, owners, world_size, align, bucket_numel)
+    return Plan(strategy, world_size, align, specs, groups, owners, bucket_numel)

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from shardopt.core._plan_spec import FlatGroup, TensorSpec, short
+from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec, short
 
 if TYPE_CHECKING:
     from shardopt.core._plan import Plan
 
 __all__ = ["plan_fields", "plan_to_dict"]
 
-_FORMAT_VERSION = 1
-_KEYS = {"version", "strategy", "world_size", "align", "tensors", "groups", "owners"}
+_FORMAT_VERSION = 2
+_KEYS = {
+    "version",
+    "strategy",
+    "world_size",
+    "align",
+    "bucket_numel",
+    "tensors",
+    "groups",
+    "owners",
+}
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -22,14 +31,15 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     Example:
         >>> from shardopt.core import plan_partition
         >>> data = plan_to_dict(plan_partition([((3, 2), "float32")], 2))
-        >>> data["version"], data["strategy"], data["groups"][0]["shard_numel"]
-        (1, 'flat', 16)
+        >>> data["version"], data["strategy"], data["groups"][0]["buckets"]
+        (2, 'flat', [{'start': 0, 'shards': [16, 16]}])
     """
     return {
         "version": _FORMAT_VERSION,
         "strategy": plan.strategy.value,
         "world_size": plan.world_size,
         "align": plan.align,
+        "bucket_numel": plan.bucket_numel,
         "tensors": [
             {
                 "shape": list(t.shape),
@@ -45,7 +55,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 "device": g.device,
                 "tensors": list(g.tensors),
                 "offsets": list(g.offsets),
-                "shard_numel": g.shard_numel,
+                "buckets": [{"start": b.start, "shards": list(b.shards)} for b in g.buckets],
                 "world_size": g.world_size,
             }
             for g in plan.groups
@@ -80,13 +90,29 @@ def plan_fields(data: Any) -> dict[str, Any]:
         "strategy": data["strategy"],
         "world_size": data["world_size"],
         "align": data["align"],
+        "bucket_numel": data["bucket_numel"],
         "tensors": tuple(_records(api, "tensors", data["tensors"], TensorSpec)),
-        "groups": tuple(_records(api, "groups", data["groups"], FlatGroup)),
+        "groups": tuple(_records(api, "groups", data["groups"], _group)),
         "owners": tuple(owners) if isinstance(owners, list) else owners,
     }
 
 
-def _records(api: str, name: str, items: Any, kind: type) -> Iterable[Any]:
+def _group(**fields: Any) -> FlatGroup:
+    buckets = fields.get("buckets")
+    if not isinstance(buckets, (list, tuple)):
+        raise TypeError(f"expected buckets to be a list, got {short(buckets)}")
+    made = []
+    for b in buckets:
+        if not isinstance(b, Mapping):
+            raise TypeError(f"expected each bucket to be a mapping, got {short(b)}")
+        if set(b) != {"start", "shards"}:
+            raise ValueError(f"expected each bucket to have keys start and shards, got {sorted(b)}")
+        shards = b["shards"]
+        made.append(Bucket(b["start"], tuple(shards) if isinstance(shards, list) else shards))
+    return FlatGroup(**{**fields, "buckets": tuple(made)})
+
+
+def _records(api: str, name: str, items: Any, kind: Callable[..., Any]) -> Iterable[Any]:
     if not isinstance(items, (list, tuple)):
         raise TypeError(f"{api}: expected {name} to be a list, got {short(items)}")
     for i, item in enumerate(items):

@@ -6,24 +6,30 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from shardopt.core._plan_spec import FlatGroup, TensorSpec
+from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec
 
-__all__ = ["assign_greedy", "group_keys", "layout_flat", "layout_greedy"]
+__all__ = ["assign_greedy", "cut_buckets", "group_keys", "layout_flat", "layout_greedy"]
 
 # [Note: plan layout]
 # Both strategies produce the same thing: one flat buffer per (dtype, device) group, in order of
-# first appearance, ``world_size * shard_numel`` elements long, rank r owning the slice
-# ``[r * shard_numel, (r + 1) * shard_numel)``. They differ in where tensors go:
-# - FLAT lays the group's tensors end to end in their given order from offset 0 and pads the end,
-#   ``shard_numel = ceil(total / (world_size * align)) * align``: every slice is equal, contiguous
-#   and aligned, and tensors may straddle ranks (their pieces are views of one tensor).
-# - GREEDY first picks an owner per tensor (see [Note: greedy matches torch]), then puts rank r's
-#   tensors of the group, in their given order, end to end from ``r * shard_numel``, with
-#   ``shard_numel`` the largest per-rank total of the group rounded up to ``align``. No tensor
-#   straddles ranks; the gaps are padding.
-# The layout is a pure function of (tensors, world_size, align, owners), which is how a Plan
-# validates itself (see [Note: plan validation]). All of it is O(n log n) in the number of
-# tensors plus O(world_size) per group: no per-element work.
+# first appearance, cut into buckets, and each bucket into one shard per rank ("bucket-major"):
+# rank r owns shard r of every bucket. A bucket is a run of whole tensors, formed walking the
+# group's tensors from the last (the first whose gradients backward produces) and closed once it
+# holds ``bucket_numel`` elements or more; a tensor that large is a bucket of its own, and
+# ``bucket_numel=None`` makes one bucket per group. So a bucket's gradients are all ready at one
+# point of backward, and its collective can start then (see [Note: engine] in
+# shardopt.functional). Inside a bucket the strategies differ:
+# - FLAT lays the bucket's tensors end to end in their given order and pads the end to a multiple
+#   of ``world_size * align``; every shard has ``ceil(n / (world_size * align)) * align``
+#   elements, so a rank's state is 1/W of the bucket plus less than ``align`` elements, and
+#   tensors may straddle ranks (their pieces are views of one tensor).
+# - GREEDY first picks an owner per tensor (see [Note: greedy matches torch]), then lays out the
+#   bucket's tensors owner by owner (rank 0's first, each rank's in their given order); shard r
+#   holds exactly rank r's tensors (rounded up to ``align``, 1 by default): no tensor straddles
+#   ranks and nothing is padded to the largest rank.
+# The layout is a pure function of (tensors, world_size, align, bucket_numel, owners), which is
+# how a Plan validates itself (see [Note: plan validation]). All of it is O(n log n) in the
+# number of tensors plus O(world_size) per bucket: no per-element work.
 
 # [Note: greedy matches torch]
 # torch's ZeroRedundancyOptimizer assigns whole parameters: for each param group in order, it
@@ -69,24 +75,69 @@ def _members(group_of: Sequence[int], num_groups: int) -> list[list[int]]:
     return members
 
 
+def cut_buckets(
+    idx: Sequence[int], numels: Sequence[int], bucket_numel: int | None
+) -> list[list[int]]:
+    """``idx`` cut into runs of whole tensors, closed walking back from the last tensor once a
+    run holds ``bucket_numel`` elements (None: one run), in forward order; a tensor of
+    ``bucket_numel`` elements or more is a run of its own.
+
+    Example:
+        >>> cut_buckets([0, 1, 2, 3], [5, 1, 1, 6], 6)
+        [[0, 1, 2], [3]]
+        >>> cut_buckets([0, 1, 2], [40, 3, 2], 8)
+        [[0], [1, 2]]
+    """
+    if bucket_numel is None or not idx:
+        return [list(idx)]
+    runs: list[list[int]] = []
+    run: list[int] = []
+    total = 0
+    for i in reversed(idx):
+        if run and numels[i] >= bucket_numel:  # a large tensor is a bucket of its own
+            runs.append(run[::-1])
+            run, total = [], 0
+        run.append(i)
+        total += numels[i]
+        if total >= bucket_numel:
+            runs.append(run[::-1])
+            run, total = [], 0
+    if run:
+        runs.append(run[::-1])
+    return runs[::-1]
+
+
 def layout_flat(
-    tensors: Sequence[TensorSpec], numels: Sequence[int], world_size: int, align: int
+    tensors: Sequence[TensorSpec],
+    numels: Sequence[int],
+    world_size: int,
+    align: int,
+    bucket_numel: int | None,
 ) -> tuple[FlatGroup, ...]:
     """The FLAT groups of ``tensors``, whose sizes are ``numels`` (see [Note: plan layout]).
 
     Example:
         >>> specs = [TensorSpec((3,), "float32", "cpu"), TensorSpec((6,), "float32", "cpu")]
-        >>> g = layout_flat(specs, [3, 6], 2, 4)[0]
-        >>> g.offsets, g.shard_numel
-        ((0, 3), 8)
+        >>> g = layout_flat(specs, [3, 6], 2, 4, None)[0]
+        >>> g.offsets, g.buckets
+        ((0, 3), (Bucket(start=0, shards=(8, 8)),))
     """
     keys, group_of = group_keys(tensors)
     groups = []
+    unit = world_size * align
     for (dtype, device), idx in zip(keys, _members(group_of, len(keys))):
-        offsets = list(itertools.accumulate((numels[i] for i in idx), initial=0))
-        total = offsets.pop()
-        shard = -(-total // (world_size * align)) * align
-        groups.append(FlatGroup(dtype, device, tuple(idx), tuple(offsets), shard, world_size))
+        offsets: list[int] = []
+        buckets: list[Bucket] = []
+        start = 0
+        for run in cut_buckets(idx, numels, bucket_numel):
+            offsets.extend(itertools.accumulate((numels[i] for i in run[:-1]), initial=start))
+            total = sum(numels[i] for i in run)
+            shard = -(-total // unit) * align
+            buckets.append(Bucket(start, (shard,) * world_size))
+            start += shard * world_size
+        groups.append(
+            FlatGroup(dtype, device, tuple(idx), tuple(offsets), tuple(buckets), world_size)
+        )
     return tuple(groups)
 
 
@@ -96,6 +147,7 @@ def layout_greedy(
     owners: Sequence[int],
     world_size: int,
     align: int,
+    bucket_numel: int | None,
 ) -> tuple[FlatGroup, ...]:
     """The GREEDY groups of ``tensors`` (sizes ``numels``) owned by ``owners``.
 
@@ -103,23 +155,32 @@ def layout_greedy(
 
     Example:
         >>> specs = [TensorSpec((3,), "float32", "cpu"), TensorSpec((6,), "float32", "cpu")]
-        >>> g = layout_greedy(specs, [3, 6], (1, 0), 2, 4)[0]
-        >>> g.tensors, g.offsets, g.shard_numel
-        ((1, 0), (0, 8), 8)
+        >>> g = layout_greedy(specs, [3, 6], (1, 0), 2, 1, None)[0]
+        >>> g.tensors, g.offsets, g.buckets
+        ((1, 0), (0, 6), (Bucket(start=0, shards=(6, 3)),))
     """
     keys, group_of = group_keys(tensors)
     groups = []
     for (dtype, device), idx in zip(keys, _members(group_of, len(keys))):
-        per_rank: list[list[int]] = [[] for _ in range(world_size)]
-        for i in idx:
-            per_rank[owners[i]].append(i)
-        totals = [sum(numels[i] for i in mine) for mine in per_rank]
-        shard = -(-max(totals) // align) * align
         order: list[int] = []
         offsets: list[int] = []
-        for rank, mine in enumerate(per_rank):
-            order.extend(mine)
-            starts = itertools.accumulate((numels[i] for i in mine), initial=rank * shard)
-            offsets.extend(itertools.islice(starts, len(mine)))
-        groups.append(FlatGroup(dtype, device, tuple(order), tuple(offsets), shard, world_size))
+        buckets: list[Bucket] = []
+        start = 0
+        for run in cut_buckets(idx, numels, bucket_numel):
+            shards = []
+            pos = start
+            for rank in range(world_size):
+                mine = [i for i in run if owners[i] == rank]
+                order.extend(mine)
+                if mine:
+                    sizes = (numels[i] for i in mine[:-1])
+                    offsets.extend(itertools.accumulate(sizes, initial=pos))
+                shard = -(-sum(numels[i] for i in mine) // align) * align
+                shards.append(shard)
+                pos += shard
+            buckets.append(Bucket(start, tuple(shards)))
+            start = pos
+        groups.append(
+            FlatGroup(dtype, device, tuple(order), tuple(offsets), tuple(buckets), world_size)
+        )
     return tuple(groups)

@@ -1,4 +1,4 @@
-"""The plain-data records of partition plans: tensor specs, flat groups, pieces, sync costs."""
+"""The plain-data records of partition plans: tensor specs, buckets, flat groups, pieces."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from enum import Enum
 import torch
 
 __all__ = [
+    "Bucket",
     "FlatGroup",
     "Piece",
     "Strategy",
-    "SyncCost",
     "TensorSpec",
     "canonical_dtype",
     "check_int",
@@ -182,22 +182,66 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
-class FlatGroup:
-    """One flat buffer: the tensors of one (dtype, device), ``world_size * shard_numel`` long.
+class Bucket:
+    """Elements ``[start, start + numel)`` of a group's flat buffer: one collective.
 
-    Rank ``r`` owns elements ``[r * shard_numel, (r + 1) * shard_numel)``. Tensor
-    ``tensors[k]`` lies at element ``offsets[k]``; offsets do not decrease.
+    Rank ``r`` owns ``shards[r]`` elements of it, right after the shards of ranks ``< r``
+    (see [Note: plan layout]). Flat plans have equal shards, greedy plans each owner's tensors.
 
     Example:
-        >>> FlatGroup("float32", "cpu", (0, 1), (0, 12), shard_numel=16, world_size=2).padded_numel
-        32
+        >>> b = Bucket(start=32, shards=(8, 8, 8, 8))
+        >>> b.numel, b.shard_start(2), b.uniform
+        (32, 48, True)
+    """
+
+    start: int
+    shards: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_int("Bucket", "start", self.start, 0)
+        object.__setattr__(self, "shards", check_ints("Bucket", "shards", self.shards, 0))
+        if not self.shards:
+            raise ValueError("Bucket: expected one shard size per rank, got none")
+
+    @property
+    def numel(self) -> int:
+        """The elements of the bucket: every rank's shard, padding included."""
+        return sum(self.shards)
+
+    @property
+    def stop(self) -> int:
+        """The element after the bucket's last."""
+        return self.start + self.numel
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every rank's shard has the same size (one all-gather or reduce-scatter)."""
+        return len(set(self.shards)) == 1
+
+    def shard_start(self, rank: int) -> int:
+        """Where ``rank``'s shard starts in the group's flat buffer."""
+        return self.start + sum(self.shards[:rank])
+
+
+@dataclass(frozen=True, slots=True)
+class FlatGroup:
+    """One flat buffer: the tensors of one (dtype, device), cut into buckets.
+
+    Tensor ``tensors[k]`` lies at element ``offsets[k]`` (offsets do not decrease), wholly inside
+    one bucket. Rank ``r`` owns shard ``r`` of every bucket; its shards end to end are its part
+    of the group (``shard_numels[r]`` elements), laid out as its optimizer state is.
+
+    Example:
+        >>> g = FlatGroup("float32", "cpu", (0, 1), (0, 12), (Bucket(0, (16, 16)),), 2)
+        >>> g.numel, g.shard_numels
+        (32, (16, 16))
     """
 
     dtype: str
     device: str
     tensors: tuple[int, ...]
     offsets: tuple[int, ...]
-    shard_numel: int
+    buckets: tuple[Bucket, ...]
     world_size: int
 
     def __post_init__(self) -> None:
@@ -211,28 +255,28 @@ class FlatGroup:
             )
         if len(set(self.tensors)) != len(self.tensors):
             raise ValueError(f"FlatGroup: expected distinct tensors, got {short(self.tensors)}")
-        check_int("FlatGroup", "shard_numel", self.shard_numel, 0)
         check_int("FlatGroup", "world_size", self.world_size, 1)
+        buckets = self.buckets
+        if not isinstance(buckets, (tuple, list)) or not all(
+            isinstance(b, Bucket) for b in buckets
+        ):
+            raise TypeError("FlatGroup: expected buckets to be a tuple of Bucket")
+        object.__setattr__(self, "buckets", tuple(buckets))
+        end = 0
+        for i, b in enumerate(self.buckets):
+            if b.start != end or len(b.shards) != self.world_size:
+                raise ValueError(
+                    f"FlatGroup: expected buckets[{i}] to start at {end} with "
+                    f"{self.world_size} shards, got start {b.start} and {len(b.shards)} shards"
+                )
+            end = b.stop
 
     @property
-    def padded_numel(self) -> int:
+    def numel(self) -> int:
         """The length of the whole flat buffer, padding included."""
-        return self.world_size * self.shard_numel
+        return self.buckets[-1].stop if self.buckets else 0
 
-
-@dataclass(frozen=True, slots=True)
-class SyncCost:
-    """The communication of one parameter all-gather (see [Note: sync cost]).
-
-    Example:
-        >>> SyncCost(collectives=1, send_bytes_per_rank=96, recv_bytes_per_rank=96)
-        SyncCost(collectives=1, send_bytes_per_rank=96, recv_bytes_per_rank=96)
-    """
-
-    collectives: int
-    send_bytes_per_rank: int
-    recv_bytes_per_rank: int
-
-    def __post_init__(self) -> None:
-        for name in ("collectives", "send_bytes_per_rank", "recv_bytes_per_rank"):
-            check_int("SyncCost", name, getattr(self, name), 0)
+    @property
+    def shard_numels(self) -> tuple[int, ...]:
+        """Per rank, the elements of its shards of every bucket together."""
+        return tuple(sum(b.shards[r] for b in self.buckets) for r in range(self.world_size))

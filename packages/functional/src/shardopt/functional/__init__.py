@@ -4,15 +4,20 @@ from shardopt.functional._checkpoint import load_sharded_state_dict, sharded_sta
 from shardopt.functional._collectives import (
     Algorithm,
     Pending,
-    all_gather_params,
-    reduce_scatter_grads,
+    all_gather_bucket,
+    reduce_scatter_bucket,
 )
 from shardopt.functional._dcp import load_checkpoint, save_checkpoint
-from shardopt.functional._hooks import GradHooks, register_grad_hooks
+from shardopt.functional._hooks import (
+    GradHooks,
+    ParamHooks,
+    register_grad_hooks,
+    register_param_hooks,
+    wait_params,
+)
 from shardopt.functional._layout import FlatLayout
 from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.functional._shard import (
-    DEFAULT_BUCKET_NUMEL,
     ShardedTransformation,
     ShardOptions,
     Stage,
@@ -26,11 +31,11 @@ from shardopt.functional._torch_format import (
 )
 
 __all__ = [
-    "DEFAULT_BUCKET_NUMEL",
     "Algorithm",
     "FieldKind",
     "FlatLayout",
     "GradHooks",
+    "ParamHooks",
     "Pending",
     "ShardOptions",
     "ShardedState",
@@ -38,7 +43,7 @@ __all__ = [
     "Stage",
     "StateField",
     "StepStats",
-    "all_gather_params",
+    "all_gather_bucket",
     "average_params",
     "averaging_due",
     "consolidate_state_dict",
@@ -46,10 +51,12 @@ __all__ = [
     "load_sharded_state_dict",
     "load_torch_state_dict",
     "local_sgd_step",
-    "reduce_scatter_grads",
+    "reduce_scatter_bucket",
     "register_grad_hooks",
+    "register_param_hooks",
     "save_checkpoint",
     "shard",
     "sharded_state_dict",
     "torch_hyperparams",
+    "wait_params",
 ]

@@ -75,6 +75,7 @@ def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
         >>> dist.destroy_process_group()
     """
     layout = state.layout
+    layout.wait_params()  # [Note: deferred parameter sync]
     return {
         "format": SHARDED_FORMAT,
         "plan": layout.plan.to_dict(),

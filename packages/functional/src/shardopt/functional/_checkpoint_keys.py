@@ -198,7 +198,7 @@ def piece_value(
         >>> from shardopt.core import plan_partition
         >>> from shardopt.functional._layout import build_layout
         >>> params = [torch.ones(3), torch.ones(2)]
-        >>> layout = build_layout(plan_partition(params, 1, align=1), params, 0, None)
+        >>> layout = build_layout(plan_partition(params, 1, align=1), params, 0)
         >>> mu = StateField("[0].mu", FieldKind.ELEMENTWISE, (torch.arange(5.0),))
         >>> piece_value(mu, layout, 1, piece_slots(layout))
         tensor([3., 4.])

@@ -21,7 +21,8 @@ __all__ = ["Health", "clip_coefficient", "global_health", "local_sq_norm", "scal
 #   total, on every rank alike. The decision to skip is therefore taken from the same number on
 #   every rank: all skip or none does, nobody waits for a collective the others left out;
 # - the count of ranks that found a bad gradient (see [Note: gradient checks]);
-# - in stage 2, how many ranks have a gradient for each tensor (see [Note: stage 2 presence]).
+# - where gradients are reduced, how many ranks have a gradient for each tensor (see
+#   [Note: gradient presence]).
 
 
 class Health(NamedTuple):

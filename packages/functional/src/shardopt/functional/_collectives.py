@@ -10,16 +10,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardopt.core import Bucket
+
 __all__ = [
     "Algorithm",
     "Pending",
     "PendingQueue",
+    "all_gather_bucket",
     "all_gather_into",
-    "all_gather_params",
     "all_gather_rows",
     "all_reduce_sum",
     "comm_device",
-    "reduce_scatter_grads",
+    "reduce_scatter_bucket",
     "reduce_scatter_into",
     "resolve_algorithm",
 ]
@@ -163,73 +165,57 @@ def all_gather_rows(row: torch.Tensor, *, group: ProcessGroup = None) -> torch.T
     return out
 
 
-def all_gather_params(
+def all_gather_bucket(
     buffer: torch.Tensor,
-    shard_numel: int,
+    bucket: Bucket,
     *,
-    bucket: tuple[int, int] | None = None,
-    staging: torch.Tensor | None = None,
     group: ProcessGroup = None,
     async_op: bool = False,
     algorithm: Algorithm | str = Algorithm.AUTO,
 ) -> Pending:
-    """Gathers every rank's slice of a flat ``buffer`` (``world_size * shard_numel`` long).
+    """Gathers every rank's shard of ``bucket`` into every rank's flat ``buffer``, in place.
 
-    Rank ``r`` contributes ``buffer[r * shard_numel:(r + 1) * shard_numel]``. With
-    ``bucket=None`` the whole buffer is gathered in place (the input is a slice of the output: no
-    copy at all). With ``bucket=(start, stop)`` only elements ``[start, stop)`` of every slice
-    are gathered: in place by broadcasts with the ROOTED algorithm, else through ``staging`` (at
-    least ``world_size * (stop - start)`` elements), copied into place when the returned
-    :class:`Pending` is waited on. See [Note: collective algorithms].
+    Rank ``r`` contributes ``buffer[bucket.shard_start(r):][:bucket.shards[r]]``, its own shard,
+    so nothing is copied: one all-gather of the bucket (COLLECTIVE, equal shards), else one
+    broadcast per rank with a non-empty shard (ROOTED, or greedy shards of unequal sizes). See
+    [Note: collective algorithms].
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
+        >>> from shardopt.core import Bucket
         >>> path = os.path.join(tempfile.mkdtemp(), "store")
         >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
         >>> buf = torch.arange(4.0)
-        >>> all_gather_params(buf, 4, bucket=(1, 3), staging=torch.empty(2)).wait()
+        >>> all_gather_bucket(buf, Bucket(0, (4,))).wait()
         >>> buf
         tensor([0., 1., 2., 3.])
         >>> dist.destroy_process_group()
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if buffer.numel() != world * shard_numel:
-        raise ValueError(
-            f"all_gather_params: expected a buffer of {world} * {shard_numel} elements, "
-            f"got {buffer.numel()}"
-        )
-    start, stop = (0, shard_numel) if bucket is None else bucket
-    mine = buffer[rank * shard_numel + start : rank * shard_numel + stop]
-    if world == 1:
+    _check_bucket("all_gather_bucket", buffer, bucket, world)
+    if world == 1 or bucket.numel == 0:
         return Pending(None)
-    if resolve_algorithm(algorithm, group, buffer.device) is Algorithm.ROOTED:
-        blocks = buffer.view(world, shard_numel)[:, start:stop]
-        works = [
-            dist.broadcast(blocks[r], group_src=r, group=group, async_op=async_op)
-            for r in range(world)
-        ]
-        return Pending(works)
-    if (start, stop) == (0, shard_numel):
-        return Pending(all_gather_into(buffer, mine, group=group, async_op=async_op))
-    if staging is None or staging.numel() < world * (stop - start):
-        raise ValueError(
-            f"all_gather_params: expected staging of at least {world * (stop - start)} elements "
-            f"for bucket {bucket}, got {None if staging is None else staging.numel()}"
+    algo = resolve_algorithm(algorithm, group, buffer.device)
+    if bucket.uniform and algo is Algorithm.COLLECTIVE:
+        mine = buffer[bucket.shard_start(rank) : bucket.shard_start(rank) + bucket.shards[rank]]
+        region = buffer[bucket.start : bucket.stop]
+        return Pending(all_gather_into(region, mine, group=group, async_op=async_op))
+    works = [
+        dist.broadcast(
+            buffer[bucket.shard_start(r) : bucket.shard_start(r) + n],
+            group_src=r,
+            group=group,
+            async_op=async_op,
         )
-    out = staging[: world * (stop - start)]
-    work = all_gather_into(out, mine, group=group, async_op=async_op)
-
-    def finish() -> None:
-        buffer.view(world, shard_numel)[:, start:stop].copy_(out.view(world, stop - start))
-
-    pending = Pending(work, finish)
-    if not async_op:
-        pending.wait()
-    return pending
+        for r, n in enumerate(bucket.shards)
+        if n
+    ]
+    return Pending(works)
 
 
-def reduce_scatter_grads(
+def reduce_scatter_bucket(
     staging: torch.Tensor,
+    bucket: Bucket,
     output: torch.Tensor,
     *,
     accumulate: bool = False,
@@ -237,45 +223,52 @@ def reduce_scatter_grads(
     async_op: bool = False,
     algorithm: Algorithm | str = Algorithm.AUTO,
 ) -> Pending:
-    """Averages packed gradients over ranks into this rank's ``output``.
+    """Averages one bucket of packed gradients over ranks into this rank's ``output``.
 
-    ``staging`` holds ``world_size`` equal blocks, block ``r`` destined to rank ``r``; it is
-    reduced in place (this rank's block receives the sum, other blocks become scratch), then the
-    completion divides by the world size and copies (or, with ``accumulate``, adds) into
-    ``output``. Summing first and dividing after keeps the result independent of how ranks split
-    the sum when the gradients add exactly, and equal to ``sum(grads) / world_size`` computed on
-    one process. See [Note: collective algorithms] for ``algorithm``.
+    ``staging`` holds the bucket's ``bucket.numel`` elements of local gradients, laid out as
+    the bucket (shard ``r`` destined to rank ``r``). It is summed in place (this rank's shard
+    receives the sum, the rest becomes scratch), then the completion divides by the world size
+    and copies (or, with ``accumulate``, adds) into ``output`` (``bucket.shards[rank]``
+    elements, any float dtype). Summing first and dividing after keeps the result equal to
+    ``sum(grads) / world_size`` computed on one process. See [Note: collective algorithms].
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
+        >>> from shardopt.core import Bucket
         >>> path = os.path.join(tempfile.mkdtemp(), "store")
         >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
         >>> out = torch.ones(2)
-        >>> reduce_scatter_grads(torch.tensor([1.0, 2.0]), out, accumulate=True).wait()
+        >>> grads = torch.tensor([1.0, 2.0])
+        >>> reduce_scatter_bucket(grads, Bucket(0, (2,)), out, accumulate=True).wait()
         >>> out
         tensor([2., 3.])
         >>> dist.destroy_process_group()
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    n = output.numel()
-    if staging.numel() != world * n:
+    if staging.numel() != bucket.numel or output.numel() != bucket.shards[rank]:
         raise ValueError(
-            f"reduce_scatter_grads: expected staging of {world} * {n} elements, "
-            f"got {staging.numel()}"
+            f"reduce_scatter_bucket: expected staging of {bucket.numel} and output of "
+            f"{bucket.shards[rank]} elements, got {staging.numel()} and {output.numel()}"
         )
-    mine = staging[rank * n : (rank + 1) * n]
-    if world == 1:
-        work: Any = None
-    elif resolve_algorithm(algorithm, group, staging.device) is Algorithm.ROOTED:
-        blocks = staging.view(world, n)
-        work = [
-            dist.reduce(
-                blocks[r], group_dst=r, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-            )
-            for r in range(world)
-        ]
-    else:
-        work = reduce_scatter_into(mine, staging, group=group, async_op=async_op)
+    lo = bucket.shard_start(rank) - bucket.start
+    mine = staging[lo : lo + bucket.shards[rank]]
+    work: Any = None
+    if world > 1 and bucket.numel:
+        algo = resolve_algorithm(algorithm, group, staging.device)
+        if bucket.uniform and algo is Algorithm.COLLECTIVE:
+            work = reduce_scatter_into(mine, staging, group=group, async_op=async_op)
+        else:
+            work = [
+                dist.reduce(
+                    staging[bucket.shard_start(r) - bucket.start :][:n],
+                    group_dst=r,
+                    op=dist.ReduceOp.SUM,
+                    group=group,
+                    async_op=async_op,
+                )
+                for r, n in enumerate(bucket.shards)
+                if n
+            ]
 
     def finish() -> None:
         if world > 1:
@@ -289,3 +282,11 @@ def reduce_scatter_grads(
     if not async_op:
         pending.wait()
     return pending
+
+
+def _check_bucket(api: str, buffer: torch.Tensor, bucket: Bucket, world: int) -> None:
+    if len(bucket.shards) != world or buffer.dim() != 1 or buffer.numel() < bucket.stop:
+        raise ValueError(
+            f"{api}: expected a 1-D buffer of at least {bucket.stop} elements and a bucket of "
+            f"{world} shards, got {tuple(buffer.shape)} and {len(bucket.shards)} shards"
+        )

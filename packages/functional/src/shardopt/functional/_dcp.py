@@ -173,6 +173,7 @@ def save_checkpoint(
         >>> dist.destroy_process_group()
     """
     api = "save_checkpoint"
+    state.layout.wait_params()  # [Note: deferred parameter sync]
     plan, rank = state.layout.plan, dist.get_rank(group)
     keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
@@ -270,6 +271,7 @@ def load_checkpoint(
     """
     api = "load_checkpoint"
     layout, plan = state.layout, state.layout.plan
+    layout.wait_params()  # [Note: deferred parameter sync]
     keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
     source = os.path.abspath(os.fspath(path))
@@ -292,11 +294,10 @@ def load_checkpoint(
     if extra is not None:
         extra.update({k: sd[k] for k in extra})
     with torch.no_grad():
-        for piece in layout.pieces:
+        for piece, view in zip(layout.pieces, layout.param_views()):
             master = state.master[piece.group]
             if master is not None and not masters[piece.tensor]:
-                span = slice(piece.offset, piece.offset + piece.numel)
-                master[span].copy_(layout.shard(piece.group)[span])
+                master[piece.offset : piece.offset + piece.numel].copy_(view)
 
 
 def _fresh_where_absent(

@@ -1,45 +1,37 @@
-"""Stage 2 gradient reduction: packing, bucketed reduce-scatters, and post-accumulate-grad hooks."""
+"""The overlaps: gradient hooks reduce during backward, forward hooks wait for parameters."""
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from shardopt.core import Plan
-from shardopt.functional._collectives import (
-    Algorithm,
-    PendingQueue,
-    ProcessGroup,
-    reduce_scatter_grads,
-)
-from shardopt.functional._layout import Chunk, FlatLayout
+from shardopt.functional._layout import BucketKey, FlatLayout
 
-__all__ = ["GradHooks", "GradReducer", "register_grad_hooks"]
+__all__ = [
+    "GradHooks",
+    "GradReducer",
+    "ParamHooks",
+    "register_grad_hooks",
+    "register_param_hooks",
+    "wait_params",
+]
 
-# [Note: stage 2 reduction]
-# A chunk (elements [start, stop) of every rank's slice of a group) is reduced by one
-# reduce-scatter: its W blocks are packed from the gradients into a staging buffer (zeros where
-# a gradient is missing or the layout has padding), summed over ranks in place, divided by W and
-# copied into the persistent gradient shard of the rank. A group of several chunks has two
-# staging buffers, used in turn, so that the packing of a chunk overlaps the reduction of the
-# previous one (a chunk never needs more); a group of one chunk has one, and its reduction
-# overlaps the packing of the next group's. Either way a staging buffer is bounded by
-# ``bucket_numel``, not by the world size (see [Note: bucket size]).
-#
+# [Note: overlap with backward]
 # Collectives must be entered in the same order on every rank, whatever order gradients arrive
-# in. So chunks are launched in one fixed order (the last chunk first: backward produces the last
-# layers' gradients first), each as soon as it and every chunk before it in that order has all
-# of its gradients. At the end of each backward pass (an autograd engine callback) the chunks
-# still waiting, those of parameters that got no gradient in that pass, are launched in the same
-# order with zeros. Every backward pass therefore launches every chunk exactly once, on every
-# rank. With the flat layout a chunk holds elements from W places of the model (one per rank's
-# slice), so chunks become ready during the last 1/W of backward: that is how much of backward
-# the reduction overlaps.
+# in. So buckets are reduced in one fixed order, the last bucket first (backward produces the last
+# layers' gradients first), each launched as soon as its tensors and every bucket before it in
+# that order have all their gradients. A bucket is a run of whole, adjacent tensors
+# ([Note: plan layout] in shardopt.core), so it is ready at one point of backward, and its
+# reduce-scatter runs while backward computes the buckets before it. At the end of each backward
+# pass (an autograd engine callback) the buckets still waiting, those of parameters that got no
+# gradient in that pass, are launched in the same order with zeros. Every backward pass therefore
+# launches every bucket exactly once, on every rank. ``GradHooks.launched_early`` reports the
+# fraction of the last pass's elements launched while some gradient of the pass was still to
+# come (before the last gradient hook): the part of the reduction that backward can hide.
 #
-# [Note: stage 2 presence]
+# [Note: gradient presence]
 # Each rank knows only which of its own gradients are None. A rank without a gradient that others
 # have packs zeros, so the shard holds the rank average with the missing ones counted as zero
 # (what DDP with find_unused_parameters computes). Whether a parameter is stepped at all (None:
@@ -50,77 +42,42 @@ __all__ = ["GradHooks", "GradReducer", "register_grad_hooks"]
 # requirement, met when every rank runs the same model on its batch).
 #
 # [Note: gradient accumulation]
-# Stage 1 leaves gradients to the caller: accumulate full local gradients over micro-steps
-# (DDP's ``no_sync``) and pass the averaged sum to ``step`` at the boundary. Stage 2 with hooks
-# reduce-scatters at every micro-step and accumulates into the gradient shard (the first pass
-# after a step copies, later passes add), so gradient memory between micro-steps stays 1/W; the
-# cost is one reduction per micro-step instead of one per step. That is the point of stage 2
+# Without hooks, ``step`` reduces once: accumulate full local gradients over micro-steps (several
+# ``backward`` calls into ``.grad``) and call ``step`` at the boundary (stage 1 with
+# ``grads_averaged``: pass the averaged sum, e.g. from DDP's ``no_sync``). With gradient hooks
+# every micro-step reduce-scatters: stage 2 accumulates into the gradient shard (the first pass
+# after a step copies, later passes add; the full gradients are freed), so its gradient memory
+# between micro-steps stays 1/W; stage 1 keeps ``.grad``, where autograd sums the passes, and
+# each pass's reduction of that running sum replaces the shard. The cost is one reduction per
+# micro-step instead of one per step. That is the point of stage 2
 # (ZeRO-2 does the same). The shard then equals the sum over micro-steps of the rank-averaged
-# gradients, which is what ``p.grad`` holds after the same ``backward`` calls on one process. The
-# plain form (full local gradients passed to ``step``) reduces once per ``step``: callers who
-# accumulate locally pass the accumulated sum.
-
-
-class _ChunkCopies(NamedTuple):
-    chunk: Chunk
-    copies: tuple[tuple[int, int, int, int], ...]  # (tensor, src start, src stop, dst start)
-    dense: bool  # the copies cover the whole staging block: no zeroing needed
-    tensors: tuple[int, ...]
-
-
-def _chunk_copies(plan: Plan, chunk: Chunk) -> _ChunkCopies:
-    group = plan.groups[chunk.group]
-    shard, n = group.shard_numel, chunk.numel
-    copies, covered, tensors = [], 0, []
-    for r in range(plan.world_size):
-        lo, hi = r * shard + chunk.start, r * shard + chunk.stop
-        k = max(bisect_right(group.offsets, lo) - 1, 0)
-        while k < len(group.offsets) and group.offsets[k] < hi:
-            t, begin = group.tensors[k], group.offsets[k]
-            start, stop = max(begin, lo), min(begin + plan.tensors[t].numel, hi)
-            if start < stop:
-                copies.append((t, start - begin, stop - begin, r * n + start - lo))
-                covered += stop - start
-                tensors.append(t)
-            k += 1
-    unique = tuple(dict.fromkeys(tensors))
-    return _ChunkCopies(chunk, tuple(copies), covered == plan.world_size * n, unique)
+# gradients, which is what ``p.grad`` holds after the same ``backward`` calls on one process.
 
 
 class GradReducer:
-    """Reduces full local gradients into this rank's persistent gradient shards, chunk by chunk.
+    """Averages local gradients into the layout's gradient shards, bucket by bucket.
 
-    Owned by the state of a stage 2 :func:`~shardopt.functional.shard`; see
-    [Note: stage 2 reduction] and [Note: gradient accumulation]. ``shards[g]`` is the averaged
-    gradient of this rank's slice of group ``g`` after :meth:`finish`.
+    Owned by the state of :func:`~shardopt.functional.shard` when it reduces gradients (stage 2,
+    and stage 1 without ``grads_averaged``); see [Note: overlap with backward] and
+    [Note: gradient accumulation]. With ``free_grads`` (stage 2) the hooks free each full
+    gradient once it is packed.
     """
 
-    def __init__(
-        self,
-        layout: FlatLayout,
-        group: ProcessGroup,
-        algorithm: Algorithm | str = Algorithm.AUTO,
-    ) -> None:
-        plan = layout.plan
-        self.group = group
-        self.algorithm = Algorithm(algorithm)
-        self.world = plan.world_size
-        self.shards = tuple(torch.zeros_like(layout.shard(g)) for g in range(len(plan.groups)))
-        self.staging = layout.staging
-        self.copies = tuple(_chunk_copies(plan, c) for c in layout.chunks)
-        self.order = tuple(reversed(range(len(self.copies))))
-        self.touching: list[list[int]] = [[] for _ in plan.tensors]
-        for k, cp in enumerate(self.copies):
-            for t in cp.tensors:
-                self.touching[t].append(k)
-        self.present = [False] * len(plan.tensors)
+    def __init__(self, layout: FlatLayout, *, free_grads: bool) -> None:
+        self.layout = layout
+        self.free_grads = free_grads
+        self.order = tuple(reversed(layout.keys))
+        self.touching = [layout.bucket_of(t) for t in range(len(layout.plan.tensors))]
+        self.present = [False] * len(layout.plan.tensors)
         self.accumulate = False
-        self._queue = PendingQueue()
-        self._next_slot = [0] * len(plan.groups)
+        self.launched_early = 0.0
         self._params: list[torch.Tensor] | None = None
         self._reset_pass()
 
-    # -- the plain form -------------------------------------------------------------------------
+    @property
+    def shards(self) -> tuple[torch.Tensor, ...]:
+        """This rank's averaged gradient shard of each group (compact)."""
+        return self.layout.ensure_grad_shards()
 
     @property
     def hooked(self) -> bool:
@@ -129,8 +86,8 @@ class GradReducer:
 
     def reduce(self, grads: Sequence[torch.Tensor | None]) -> list[bool]:
         """Reduces full local ``grads`` (one per plan tensor) and returns which were present."""
-        for k in self.order:
-            self._launch(k, grads.__getitem__)
+        for key in self.order:
+            self.layout.start_grad_sync(key, grads.__getitem__, accumulate=self.accumulate)
         self.present = [g is not None for g in grads]
         return self.finish()
 
@@ -138,7 +95,7 @@ class GradReducer:
         """Waits for every reduction in flight; returns which tensors had gradients, and resets."""
         if self._queued:
             raise RuntimeError("shard: step called during a backward pass")
-        self._queue.wait_all()
+        self.layout.finish_grad_sync()
         present, self.present = self.present, [False] * len(self.present)
         self.accumulate = False
         return present
@@ -173,71 +130,50 @@ class GradReducer:
         params = self._params or []
         trainable = [p.requires_grad for p in params]
         self._ready = [False] * len(self.present)
-        self._remaining = [
-            sum(1 for t in cp.tensors if trainable and trainable[t]) for cp in self.copies
-        ]
-        self._outstanding = [len(ks) for ks in self.touching]
+        self._remaining = {
+            key: sum(1 for t in self.layout.bucket_tensors[key] if trainable and trainable[t])
+            for key in self.order
+        }
         self._pos = 0
         self._queued = False
+        self._hooks_run = 0
+        self._launches: list[tuple[int, int]] = []  # (hooks run before it, elements)
 
     def _on_grad(self, i: int) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._queued = True
         self._ready[i] = self.present[i] = True
-        for k in self.touching[i]:
-            self._remaining[k] -= 1
+        self._hooks_run += 1
+        self._remaining[self.touching[i]] -= 1
         while self._pos < len(self.order) and self._remaining[self.order[self._pos]] == 0:
             self._launch_next()
 
     def _launch_next(self) -> None:
         assert self._params is not None
-        k = self.order[self._pos]
+        key = self.order[self._pos]
         self._pos += 1
-        self._launch(k, self._ready_grad)
-        for t in self.copies[k].tensors:
-            self._outstanding[t] -= 1
-            if self._outstanding[t] == 0 and self._ready[t]:
-                self._params[t].grad = None  # packed everywhere it goes: free it
+        self._launches.append((self._hooks_run, self.layout.bucket(key).numel))
+        self.layout.start_grad_sync(key, self._ready_grad, accumulate=self.accumulate)
+        if self.free_grads:
+            for t in self.layout.bucket_tensors[key]:
+                if self._ready[t]:
+                    self._params[t].grad = None  # packed: free it
 
     def _ready_grad(self, t: int) -> torch.Tensor | None:
         assert self._params is not None
+        if not self.free_grads:  # stage 1: .grad holds the sum of this step's passes so far
+            return self._params[t].grad
         return self._params[t].grad if self._ready[t] else None
 
     def _end_of_backward(self) -> None:
         while self._pos < len(self.order):
             self._launch_next()
+        total = sum(n for _, n in self._launches)
+        early = sum(n for run, n in self._launches if run < self._hooks_run)
+        self.launched_early = early / total if total else 0.0
         self._reset_pass()
-        self.accumulate = True
-
-    # -- packing and launching ------------------------------------------------------------------
-
-    def _launch(self, k: int, grad_of: Callable[[int], torch.Tensor | None]) -> None:
-        cp = self.copies[k]
-        g, n = cp.chunk.group, cp.chunk.numel
-        buffers = self.staging[g]
-        assert buffers is not None  # a stage 2 layout stages every group
-        slot = self._next_slot[g]
-        self._next_slot[g] = (slot + 1) % len(buffers)
-        self._queue.release((g, slot))  # in launch order: completions stay ordered
-        staging = buffers[slot, : self.world * n]
-        grads = {t: grad_of(t) for t in cp.tensors}
-        if not cp.dense or any(v is None for v in grads.values()):
-            staging.zero_()
-        for t, s0, s1, d0 in cp.copies:
-            grad = grads[t]
-            if grad is not None:
-                staging[d0 : d0 + s1 - s0].copy_(grad.view(-1)[s0:s1])
-        out = self.shards[g][cp.chunk.start : cp.chunk.stop]
-        pending = reduce_scatter_grads(
-            staging,
-            out,
-            accumulate=self.accumulate,
-            group=self.group,
-            async_op=True,
-            algorithm=self.algorithm,
-        )
-        self._queue.push((g, slot), pending)
+        self.accumulate = self.free_grads  # stage 1 reduces the running sum: replace
 
 
 class GradHooks:
@@ -246,6 +182,12 @@ class GradHooks:
     def __init__(self, reducer: GradReducer, handles: list[Any]) -> None:
         self._reducer = reducer
         self._handles = handles
+
+    @property
+    def launched_early(self) -> float:
+        """The fraction of the last backward pass's reduce-scatter elements launched before
+        its last gradient was produced (see [Note: overlap with backward])."""
+        return self._reducer.launched_early
 
     def remove(self) -> None:
         """Removes the hooks; ``step`` then takes full local gradients again."""
@@ -258,10 +200,12 @@ class GradHooks:
 def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks:
     """Reduce-scatters gradients during backward, bucket by bucket, and frees the full ones.
 
-    ``params`` are those given to ``init`` of a stage 2 sharded transformation and ``state`` its
-    state. After ``loss.backward()`` each trainable parameter's ``.grad`` is None again and its
-    averaged gradient lies in this rank's shard; call ``step(params, None, state)``. Several
-    backward passes before a step accumulate (see [Note: gradient accumulation]).
+    ``params`` are those given to ``init`` of a sharded transformation that reduces gradients
+    (stage 2, or stage 1 without ``grads_averaged``) and ``state`` its state. After
+    ``loss.backward()`` this rank's shard holds the averaged gradient; in stage 2 each trainable
+    parameter's ``.grad`` is None again (freed once packed), in stage 1 it keeps the local
+    gradient. Call ``step(params, None, state)``. Several backward passes before a step
+    accumulate (see [Note: gradient accumulation]).
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -282,17 +226,114 @@ def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks
         >>> dist.destroy_process_group()
 
     Raises:
-        ValueError: if ``state`` is not the state of a stage 2 sharded transformation, or
-            ``params`` are not its parameters.
+        ValueError: if ``state`` is not the state of a sharded transformation that reduces
+            gradients, or ``params`` are not its parameters.
     """
     reducer: GradReducer = getattr(state, "reducer", None)  # type: ignore[assignment]
     if not callable(getattr(reducer, "attach", None)):  # duck-typed: doctests reload modules
         raise ValueError(
-            "register_grad_hooks: expected the state of a stage 2 shard(...), got a "
-            f"{type(state).__name__} without a gradient reducer"
+            "register_grad_hooks: expected the state of a shard(...) that reduces gradients "
+            f"(stage 2, or stage 1 without grads_averaged), got a {type(state).__name__} "
+            "without a gradient reducer"
         )
     params = list(params)
     problem = state.layout.check_views(params)
     if problem is not None:
         raise ValueError(f"register_grad_hooks: expected {problem}")
     return GradHooks(reducer, reducer.attach(params))
+
+
+class ParamHooks:
+    """The handle of :func:`register_param_hooks`; :meth:`remove` takes the hooks off."""
+
+    def __init__(self, layout: FlatLayout, handles: list[Any]) -> None:
+        self._layout = layout
+        self._handles = handles
+
+    def remove(self) -> None:
+        """Waits for the parameters, removes the hooks; ``step`` then waits for its gathers."""
+        self._layout.wait_params()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._layout.deferred -= 1
+
+
+def _layout_of(api: str, state: Any) -> FlatLayout:
+    layout = getattr(state, "layout", None)
+    if not callable(getattr(layout, "wait_params", None)):  # duck-typed: doctests reload modules
+        raise ValueError(f"{api}: expected the state of a shard(...), got a {type(state).__name__}")
+    return layout  # type: ignore[return-value]
+
+
+def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
+    """Overlaps the parameter all-gather of ``step`` with the next forward.
+
+    While registered, ``step`` launches each bucket's all-gather as soon as its shard is updated
+    and returns without waiting; a forward pre-hook on each submodule of ``module`` that holds
+    parameters of ``state`` waits for the buckets of those parameters. Parameters read outside a
+    forward must be waited for with :func:`wait_params` (see [Note: deferred parameter sync]).
+
+    Example:
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> from shardopt.core import plan_partition, sgd
+        >>> from shardopt.functional import shard
+        >>> path = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = torch.nn.init.ones_(model.weight)
+        >>> params = list(model.parameters())
+        >>> sharded = shard(sgd(0.5), plan_partition(params, 1))
+        >>> state = sharded.init(params)
+        >>> hooks = register_param_hooks(model, state)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> state = sharded.step(params, None, state)  # returns with the gathers in flight
+        >>> wait_params(state)  # before reading the parameters outside a forward
+        >>> params[0].detach()
+        tensor([[0.5000, 0.5000]])
+        >>> hooks.remove()
+        >>> dist.destroy_process_group()
+
+    Raises:
+        ValueError: if ``state`` is not the state of a sharded transformation, or ``module``
+            holds none of its parameters.
+    """
+    layout = _layout_of("register_param_hooks", state)
+    where: dict[int, BucketKey] = {}
+    for t, spec in enumerate(layout.plan.tensors):
+        g, b, offset = layout.plan.locate(t)
+        buf = layout.buffers[g]
+        if spec.numel:
+            where[buf.data_ptr() + offset * buf.element_size()] = (g, b)
+    handles = []
+    for sub in module.modules():
+        keys = sorted(
+            {where[p.data_ptr()] for p in sub.parameters(recurse=False) if p.data_ptr() in where}
+        )
+        if keys:
+            handles.append(sub.register_forward_pre_hook(_waiter(layout, tuple(keys))))
+    if not handles:
+        raise ValueError(
+            "register_param_hooks: expected a module holding parameters of the state, got a "
+            f"{type(module).__name__} holding none"
+        )
+    layout.deferred += 1
+    return ParamHooks(layout, handles)
+
+
+def _waiter(layout: FlatLayout, keys: tuple[BucketKey, ...]) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        del module, args
+        layout.wait_params(keys)
+
+    return hook
+
+
+def wait_params(state: Any) -> None:
+    """Waits until every parameter of ``state`` holds its value after the last ``step``.
+
+    Needed only with :func:`register_param_hooks`, before reading parameters outside a forward
+    (evaluation, logging, saving by hand); a no-op when nothing is in flight. See
+    [Note: deferred parameter sync].
+    """
+    _layout_of("wait_params", state).wait_params()

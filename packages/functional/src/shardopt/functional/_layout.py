@@ -1,150 +1,189 @@
-"""Flat storage: one buffer per plan group, with the parameters re-pointed as views of it."""
+"""The engine: flat buffers in buckets, and the collectives that move them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from shardopt.core import Piece, Plan
+from shardopt.core import Bucket, Plan
+from shardopt.functional._collectives import (
+    Algorithm,
+    Pending,
+    PendingQueue,
+    ProcessGroup,
+    all_gather_bucket,
+    reduce_scatter_bucket,
+)
 
-__all__ = ["Chunk", "FlatLayout", "build_layout", "chunk_width", "make_chunks"]
+__all__ = ["BucketKey", "FlatLayout", "build_layout", "staging_numel"]
 
-# [Note: flat storage]
-# ``init`` copies each parameter into its place in the flat buffer of its plan group and sets
-# ``p.data`` to the view of that place, so the module, autograd and the optimizer all see the same
-# memory. Rank ``r``'s slice of a buffer is then a contiguous run of its parameters' elements:
-# the update writes into it, and the parameter all-gather of a whole buffer takes that slice as
-# its input and the buffer as its output (torch's collectives allow the input to be the rank's
-# block of the output), so the gathered values land directly in the parameters: no staging, no
-# full-size copy. A bucketed all-gather (a chunk of every slice) cannot be in place, because the
-# chunks of the W slices are not adjacent; it goes through a staging buffer of W chunks (the
-# broadcasts of the ROOTED algorithm are in place, see [Note: collective algorithms]).
+BucketKey = tuple[int, int]  # (plan group, bucket in the group)
+
+# [Note: engine]
+# One FlatLayout per sharded optimizer owns everything that moves parameters or gradients: the
+# flat parameter buffer of each plan group (the parameters are views of it, see
+# [Note: flat storage]), the buckets the plan cut it into, this rank's gradient shards, the
+# staging of gradient reductions, and the collectives in flight. Everything else maps ranges of
+# it: the update reads and writes piece views, the hooks say when a bucket is ready, checkpoints
+# read the shards. Its collectives are per bucket and never leave the bucket's memory:
 #
-# [Note: bucket size]
-# ``bucket_numel`` is the size of one collective's whole buffer, all ranks together: a group's
-# flat buffer of at most ``bucket_numel`` elements is one chunk (gathered in place), a larger one
-# is cut into chunks of ``bucket_numel // W`` elements per rank, rounded down to a multiple of the
-# plan's ``align`` (at least ``align``), so every chunk of a flat plan starts aligned like the
-# slices ([Note: default alignment] in shardopt.core) at any W, powers of two or not. A staging
-# buffer holds W chunks, so it is at most ``bucket_numel`` elements whatever W is (or ``W *
-# align`` when ``bucket_numel`` is smaller than that). Per rank and element the traffic is the
-# same however the buffer is cut; only the number of calls grows as the buffers shrink. A
-# per-rank size instead would make the staging grow with W: ``2 * W * bucket`` elements, e.g. two
-# full gradient copies of gpt2-xl per rank at W = 1024 for a gradient shard of 6 MiB.
+# - parameter sync (``start_param_sync`` / ``wait_params``): the bucket's region of the buffer
+#   is all-gathered in place, each rank's input being its own shard of it (bucket-major layout,
+#   [Note: plan layout] in shardopt.core). No staging, no copy.
+# - gradient sync (``start_grad_sync`` / ``finish_grad_sync``): a bucket's tensors are whole and
+#   adjacent, so their local gradients are packed end to end into a staging buffer of the
+#   bucket's size (zeros for padding and for missing gradients), reduce-scattered in place, and
+#   the rank's shard of the sum, divided by W, lands in its gradient shard (copied, or added to
+#   accumulate). A group has two staging buffers used in turn, so packing one bucket overlaps the
+#   reduction of the previous; they hold at most two of the group's largest buckets, whatever W.
+#
+# Collectives must be entered in the same order on every rank. Parameter syncs run in bucket
+# order (the next forward needs the first buckets first); gradient syncs in reverse bucket order
+# (backward produces the last gradients first), each launched as soon as its bucket and every
+# later one are ready (see [Note: overlap with backward] in _hooks.py).
+#
+# [Note: flat storage]
+# ``build_layout`` copies each parameter into its place in its group's buffer and sets ``p.data``
+# to the view of that place, so the module, autograd and the optimizer all see the same memory.
+# A rank's shard of a group is its shards of the group's buckets; in the parameter buffer they
+# are apart (one per bucket), so the optimizer state, master weights and gradient shards store
+# them end to end instead ("compact" shards, ``shard_numels[rank]`` elements, piece ``k`` at
+# ``pieces[k].offset``), and the update reads and writes the parameter buffer through one view
+# per piece.
+#
+# [Note: deferred parameter sync]
+# ``step`` ends by launching each bucket's all-gather as soon as the bucket's pieces are updated.
+# By default it then waits for them all. With ``register_param_hooks`` it returns at once instead,
+# and the gathers run while the caller starts the next forward: each module's forward pre-hook
+# waits for the buckets holding its parameters, so compute on a bucket starts when that bucket
+# has arrived. Until then the parameters hold a mix of old and new values, so everything that
+# reads them outside a forward waits first: the next ``step`` (its update writes the shards the
+# gathers are sending), ``sharded_state_dict``, ``consolidate_state_dict``, ``save_checkpoint``,
+# the drop-in's ``state_dict``, and the public ``wait_params(state)`` for the caller's own reads
+# (evaluation, logging, the end of training). A rank waits only on its own handles, so this
+# needs no collective and cannot hang.
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """Elements ``[start, stop)`` of every rank's slice of group ``group``: one collective."""
-
-    group: int
-    start: int
-    stop: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.stop:
-            raise ValueError(f"Chunk: expected 0 <= start < stop, got {self.start}, {self.stop}")
-
-    @property
-    def numel(self) -> int:
-        """Elements per rank."""
-        return self.stop - self.start
-
-
-def chunk_width(plan: Plan, shard_numel: int, bucket_numel: int | None) -> int:
-    """Elements per rank of each chunk of a group whose slices have ``shard_numel`` elements.
-
-    See [Note: bucket size]: the whole slice if the group's buffer fits in ``bucket_numel``,
-    else ``bucket_numel // world_size`` rounded down to a multiple of ``plan.align`` (at least
-    ``plan.align``).
-
-    Example:
-        >>> from shardopt.core import plan_partition
-        >>> plan = plan_partition([((1000,), "float32")], 4, align=16)
-        >>> chunk_width(plan, 256, None), chunk_width(plan, 256, 1024), chunk_width(plan, 256, 200)
-        (256, 256, 48)
-    """
-    if bucket_numel is None or plan.world_size * shard_numel <= bucket_numel:
-        return shard_numel
-    align = plan.align
-    return max(align, bucket_numel // plan.world_size // align * align)
-
-
-def make_chunks(plan: Plan, bucket_numel: int | None) -> tuple[Chunk, ...]:
-    """Splits every group's slice into chunks of :func:`chunk_width` elements (the last shorter).
-
-    ``bucket_numel`` counts the elements of one collective over all ranks
-    ([Note: bucket size]); None makes one chunk per group.
-
-    Example:
-        >>> from shardopt.core import plan_partition
-        >>> plan = plan_partition([((10,), "float32")], 2, align=1)
-        >>> [(c.start, c.stop) for c in make_chunks(plan, 4)]
-        [(0, 2), (2, 4), (4, 5)]
-    """
-    chunks = []
-    for g, group in enumerate(plan.groups):
-        size = chunk_width(plan, group.shard_numel, bucket_numel)
-        for start in range(0, group.shard_numel, max(size, 1)):
-            chunks.append(Chunk(g, start, min(start + size, group.shard_numel)))
-    return tuple(chunks)
-
-
-@dataclass(frozen=True, slots=True)
 class FlatLayout:
-    """Where everything of one rank lives: the plan, the flat buffers, the pieces, the chunks.
+    """The flat buffers of a plan on one rank, and their bucketed collectives.
 
-    ``buffers[g]`` is the flat buffer of ``plan.groups[g]`` (``padded_numel`` elements, the
-    parameters are views of it); ``pieces`` is ``plan.pieces(rank)``; ``chunks`` the collectives
-    of one parameter sync (or gradient reduction), ordered by (group, start); ``staging[g]``
-    the buffers of ``world_size`` chunks for the collectives that cannot be in place (two, used
-    in turn, for a group of several chunks; one for a group of one chunk), or None.
+    See [Note: engine]. ``buffers[g]`` is the parameter buffer of ``plan.groups[g]``,
+    ``pieces`` is ``plan.pieces(rank)``, ``grad_shards[g]`` this rank's compact gradient shard
+    (None until a gradient sync needs it).
     """
 
-    plan: Plan
-    rank: int
-    buffers: tuple[torch.Tensor, ...]
-    pieces: tuple[Piece, ...]
-    chunks: tuple[Chunk, ...]
-    staging: tuple[torch.Tensor | None, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.buffers) != len(self.plan.groups):
-            raise ValueError(
-                f"FlatLayout: expected {len(self.plan.groups)} buffers, got {len(self.buffers)}"
-            )
-        for g, (buf, group) in enumerate(zip(self.buffers, self.plan.groups)):
-            if buf.dim() != 1 or buf.numel() != group.padded_numel:
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        buffers: Sequence[torch.Tensor],
+        *,
+        group: ProcessGroup = None,
+        algorithm: Algorithm | str = Algorithm.AUTO,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        if len(buffers) != len(plan.groups):
+            raise ValueError(f"FlatLayout: expected {len(plan.groups)} buffers, got {len(buffers)}")
+        for g, (buf, grp) in enumerate(zip(buffers, plan.groups)):
+            if buf.dim() != 1 or buf.numel() != grp.numel:
                 raise ValueError(
-                    f"FlatLayout: expected buffers[{g}] 1-D of {group.padded_numel} elements, "
+                    f"FlatLayout: expected buffers[{g}] 1-D of {grp.numel} elements, "
                     f"got shape {tuple(buf.shape)}"
                 )
+        self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
+        self.group, self.algorithm = group, Algorithm(algorithm)
+        self.reduce_dtype = reduce_dtype
+        self.pieces = plan.pieces(rank)
+        self.keys: tuple[BucketKey, ...] = tuple(
+            (g, b) for g, grp in enumerate(plan.groups) for b in range(len(grp.buckets))
+        )
+        self.bucket_tensors: dict[BucketKey, tuple[int, ...]] = {k: () for k in self.keys}
+        for t in range(len(plan.tensors)):
+            g, b, _ = plan.locate(t)
+            self.bucket_tensors[(g, b)] += (t,)
+        self.piece_ranges = self._piece_ranges()
+        # (tensor, its first element in the bucket, numel) of each bucket's tensors: the packing
+        self.packing = {
+            key: tuple(
+                (t, plan.locate(t)[2] - self.bucket(key).start, plan.tensors[t].numel)
+                for t in tensors
+            )
+            for key, tensors in self.bucket_tensors.items()
+        }
+        self.shard_offsets = {
+            (g, b): sum(x.shards[rank] for x in grp.buckets[:b])
+            for g, grp in enumerate(plan.groups)
+            for b in range(len(grp.buckets))
+        }
+        self.grad_shards: tuple[torch.Tensor | None, ...] = (None,) * len(plan.groups)
+        self._staging: list[torch.Tensor | None] = [None] * len(plan.groups)
+        self._slot = [0] * len(plan.groups)
+        self._grads = PendingQueue()
+        self._params: dict[BucketKey, Pending] = {}
+        self._param_views: list[torch.Tensor] | None = None
+        self.deferred = 0  # registered param hooks: step leaves its gathers in flight
 
-    def shard(self, g: int) -> torch.Tensor:
-        """This rank's slice of ``buffers[g]``."""
-        n = self.plan.groups[g].shard_numel
-        return self.buffers[g][self.rank * n : (self.rank + 1) * n]
+    def _piece_ranges(self) -> dict[BucketKey, tuple[int, int]]:
+        """The pieces ``[lo, hi)`` of each bucket (pieces are in bucket order)."""
+        out = {k: (0, 0) for k in self.keys}
+        for key, run in itertools.groupby(
+            range(len(self.pieces)), key=lambda i: self.bucket_of(self.pieces[i].tensor)
+        ):
+            idx = list(run)
+            out[key] = (idx[0], idx[-1] + 1)
+        return out
 
-    def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
-        """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
-        if len(params) != len(self.plan.tensors):
-            return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
-        for g, group in enumerate(self.plan.groups):
-            base, size = self.buffers[g].data_ptr(), self.buffers[g].element_size()
-            for t, offset in zip(group.tensors, group.offsets):
-                p = params[t]
-                moved = p.numel() > 0 and p.data_ptr() != base + offset * size
-                if moved or tuple(p.shape) != self.plan.tensors[t].shape:
-                    return (
-                        f"the parameters given to init (views of the flat buffers), got "
-                        f"params[{t}] elsewhere"
-                    )
-        return None
+    # -- where things are ------------------------------------------------------------------------
+
+    def bucket_of(self, tensor: int) -> BucketKey:
+        """The (group, bucket) that holds plan tensor ``tensor``."""
+        g, b, _ = self.plan.locate(tensor)
+        return g, b
+
+    def bucket(self, key: BucketKey) -> Bucket:
+        """The plan's bucket ``key``."""
+        return self.plan.groups[key[0]].buckets[key[1]]
+
+    def bucket_shard(self, key: BucketKey) -> torch.Tensor:
+        """This rank's shard of bucket ``key``, as a view of the parameter buffer."""
+        bucket = self.bucket(key)
+        start = bucket.shard_start(self.rank)
+        return self.buffers[key[0]][start : start + bucket.shards[self.rank]]
+
+    def compact(self, shards: Sequence[torch.Tensor], key: BucketKey) -> torch.Tensor:
+        """Bucket ``key``'s part of compact shards ``shards`` (one per group)."""
+        off = self.shard_offsets[key]
+        return shards[key[0]][off : off + self.bucket(key).shards[self.rank]]
+
+    def copy_shard_out(self, g: int) -> torch.Tensor:
+        """This rank's shard of group ``g``'s parameters, compact (a new tensor)."""
+        parts = [self.bucket_shard(k) for k in self.keys if k[0] == g]
+        return torch.cat(parts) if parts else self.buffers[g].new_zeros(0)
+
+    def copy_shard_in(self, g: int, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Writes elements ``[lo, hi)`` of compact shard ``src`` of group ``g`` into the buffer."""
+        hi = src.numel() if hi is None else hi
+        with torch.no_grad():
+            for key in (k for k in self.keys if k[0] == g):
+                off = self.shard_offsets[key]
+                a, b = max(lo, off), min(hi, off + self.bucket(key).shards[self.rank])
+                if a < b:
+                    self.bucket_shard(key)[a - off : b - off].copy_(src[a:b])
+
+    def param_views(self) -> list[torch.Tensor]:
+        """Each piece's elements of the parameter buffer, as 1-D views (made once)."""
+        if self._param_views is None:
+            out = []
+            for p in self.pieces:
+                start = self.plan.locate(p.tensor)[2] + p.start
+                out.append(self.buffers[p.group][start : start + p.numel])
+            self._param_views = out
+        return list(self._param_views)
 
     def piece_views(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each piece's elements as a 1-D view into ``shards[piece.group]``."""
+        """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views."""
         return [shards[p.group][p.offset : p.offset + p.numel] for p in self.pieces]
 
     def grad_views(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -155,44 +194,154 @@ class FlatLayout:
             out.append(None if g is None else g.view(-1)[p.start : p.stop])
         return out
 
+    def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
+        """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
+        if len(params) != len(self.plan.tensors):
+            return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
+        for t, p in enumerate(params):
+            g, _, offset = self.plan.locate(t)
+            base, size = self.buffers[g].data_ptr(), self.buffers[g].element_size()
+            moved = p.numel() > 0 and p.data_ptr() != base + offset * size
+            if moved or tuple(p.shape) != self.plan.tensors[t].shape:
+                return (
+                    f"the parameters given to init (views of the flat buffers), got params[{t}] "
+                    "elsewhere"
+                )
+        return None
+
+    # -- parameter sync ------------------------------------------------------------------------
+
+    def start_param_sync(self, key: BucketKey) -> None:
+        """Launches the all-gather of bucket ``key`` (see [Note: deferred parameter sync])."""
+        self.wait_params((key,))
+        bucket = self.bucket(key)
+        pending = all_gather_bucket(
+            self.buffers[key[0]], bucket, group=self.group, async_op=True, algorithm=self.algorithm
+        )
+        self._params[key] = pending
+
+    def wait_params(self, keys: Iterable[BucketKey] | None = None) -> None:
+        """Waits for the parameter syncs in flight of buckets ``keys`` (None: all)."""
+        if not self._params:
+            return
+        for key in list(self._params) if keys is None else keys:
+            pending = self._params.pop(key, None)
+            if pending is not None:
+                pending.wait()
+
+    @property
+    def params_pending(self) -> bool:
+        """Whether some parameter sync is still in flight."""
+        return bool(self._params)
+
+    def sync_params(self) -> None:
+        """Every bucket's parameter sync, launched in bucket order and waited for."""
+        for key in self.keys:
+            self.start_param_sync(key)
+        self.wait_params()
+
+    # -- gradient sync -------------------------------------------------------------------------
+
+    def ensure_grad_shards(self) -> tuple[torch.Tensor, ...]:
+        """The compact gradient shards (allocated, zero, on first use)."""
+        if any(s is None for s in self.grad_shards):
+            self.grad_shards = tuple(
+                torch.zeros(
+                    grp.shard_numels[self.rank],
+                    dtype=self.reduce_dtype or self.buffers[g].dtype,
+                    device=self.buffers[g].device,
+                )
+                for g, grp in enumerate(self.plan.groups)
+            )
+        return self.grad_shards  # type: ignore[return-value]
+
+    def _staging_for(self, g: int) -> torch.Tensor:
+        buf = self._staging[g]
+        if buf is None:
+            buckets = self.plan.groups[g].buckets
+            slots = 2 if len(buckets) > 1 else 1
+            dtype = self.reduce_dtype or self.buffers[g].dtype
+            shape = (slots, staging_numel(self.plan, g) // slots)
+            buf = torch.empty(shape, dtype=dtype, device=self.buffers[g].device)
+            self._staging[g] = buf
+        return buf
+
+    def start_grad_sync(
+        self, key: BucketKey, grad_of: Callable[[int], torch.Tensor | None], *, accumulate: bool
+    ) -> None:
+        """Packs bucket ``key``'s local gradients and launches their reduce-scatter into this
+        rank's gradient shard (added to it with ``accumulate``). See [Note: engine]."""
+        g = key[0]
+        shards = self.ensure_grad_shards()
+        bucket = self.bucket(key)
+        staging_all = self._staging_for(g)
+        slot = self._slot[g]
+        self._slot[g] = (slot + 1) % staging_all.shape[0]
+        self._grads.release((g, slot))  # the slot's previous reduction must be done
+        staging = staging_all[slot, : bucket.numel]
+        packing = self.packing[key]
+        grads = [grad_of(t) for t, _, _ in packing]
+        packed = sum(n for (_, _, n), x in zip(packing, grads) if x is not None)
+        if packed < bucket.numel:
+            staging.zero_()
+        for (_, lo, n), grad in zip(packing, grads):
+            if grad is not None:
+                staging[lo : lo + n].copy_(grad.reshape(-1))
+        pending = reduce_scatter_bucket(
+            staging,
+            bucket,
+            self.compact(shards, key),
+            accumulate=accumulate,
+            group=self.group,
+            async_op=True,
+            algorithm=self.algorithm,
+        )
+        self._grads.push((g, slot), pending)
+
+    def finish_grad_sync(self) -> None:
+        """Waits for every gradient sync in flight (their shards are then complete)."""
+        self._grads.wait_all()
+
 
 def build_layout(
     plan: Plan,
     params: Sequence[torch.Tensor],
     rank: int,
-    bucket_numel: int | None,
     *,
-    needs_staging: Callable[[torch.device, bool], bool] = lambda device, split: split,
+    group: ProcessGroup = None,
+    algorithm: Algorithm | str = Algorithm.AUTO,
+    reduce_dtype: torch.dtype | None = None,
 ) -> FlatLayout:
     """Allocates the flat buffers, copies ``params`` in and re-points them as views.
 
     See [Note: flat storage]. ``params`` must match ``plan.tensors`` (checked by the caller).
-    A group gets staging buffers if ``needs_staging(its device, whether it has several chunks)``.
 
     Example:
         >>> from shardopt.core import plan_partition
         >>> params = [torch.ones(2, 2), torch.zeros(3)]
-        >>> layout = build_layout(plan_partition(params, 1, align=8), params, 0, None)
+        >>> layout = build_layout(plan_partition(params, 1, align=8), params, 0)
         >>> params[0].data_ptr() == layout.buffers[0].data_ptr(), layout.buffers[0].numel()
         (True, 8)
     """
     buffers = []
     with torch.no_grad():
-        for group in plan.groups:
-            device = params[group.tensors[0]].device if group.tensors else torch.device("cpu")
-            dtype = plan.tensors[group.tensors[0]].torch_dtype if group.tensors else torch.float32
-            buf = torch.zeros(group.padded_numel, dtype=dtype, device=device)
-            for t, offset in zip(group.tensors, group.offsets):
+        for grp in plan.groups:
+            device = params[grp.tensors[0]].device if grp.tensors else torch.device("cpu")
+            dtype = plan.tensors[grp.tensors[0]].torch_dtype if grp.tensors else torch.float32
+            buf = torch.zeros(grp.numel, dtype=dtype, device=device)
+            for t, offset in zip(grp.tensors, grp.offsets):
                 p = params[t]
                 view = buf[offset : offset + p.numel()]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
             buffers.append(buf)
-    chunks = make_chunks(plan, bucket_numel)
-    staging = []
-    for g, buf in enumerate(buffers):
-        widths = [c.numel for c in chunks if c.group == g]
-        make = widths and needs_staging(buf.device, len(widths) > 1)
-        slots = 2 if len(widths) > 1 else 1  # two let a chunk's packing overlap the previous one
-        staging.append(buf.new_zeros((slots, plan.world_size * max(widths))) if make else None)
-    return FlatLayout(plan, rank, tuple(buffers), plan.pieces(rank), chunks, tuple(staging))
+    return FlatLayout(
+        plan, rank, buffers, group=group, algorithm=algorithm, reduce_dtype=reduce_dtype
+    )
+
+
+def staging_numel(plan: Plan, g: int) -> int:
+    """Elements of group ``g``'s gradient staging: two (one if single) of its largest buckets."""
+    buckets = plan.groups[g].buckets
+    largest = max((b.numel for b in buckets), default=0)
+    return largest * (2 if len(buckets) > 1 else 1)

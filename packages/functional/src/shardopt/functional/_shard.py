@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from shardopt.core import Plan, PyTree, Transformation, tree_leaves
 from shardopt.functional._clip import Health, clip_coefficient, global_health, scale_grads
-from shardopt.functional._collectives import Algorithm, ProcessGroup, resolve_algorithm
+from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer
 from shardopt.functional._layout import FlatLayout, build_layout
 from shardopt.functional._state import (
@@ -21,7 +21,7 @@ from shardopt.functional._state import (
     flatten_state,
     probe_fields,
 )
-from shardopt.functional._update import gather_params, update_and_gather
+from shardopt.functional._update import update_and_sync
 from shardopt.functional._validate import (
     agree_across_ranks,
     check_grads,
@@ -29,16 +29,18 @@ from shardopt.functional._validate import (
     fingerprint,
 )
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "ShardOptions", "ShardedTransformation", "Stage", "shard"]
+__all__ = ["ShardOptions", "ShardedTransformation", "Stage", "shard"]
 
-# [Note: default bucket size]
-# ``bucket_numel`` counts one collective's elements over all ranks ([Note: bucket size]). 1 << 24
-# is 64 MiB of float32 (32 MiB of bfloat16) per call: past the sizes where NCCL's all-gathers
-# and reduce-scatters reach most of their bandwidth (DDP's buckets are 25 MiB), small enough that
-# a chunked group's two staging buffers stay at 128 MiB of float32 per rank at any world size,
-# and a group of up to 16M elements (a small model's whole buffer) is gathered in place, in one
-# call and with no staging in stage 1.
-DEFAULT_BUCKET_NUMEL = 1 << 24
+# [Note: stage 1 averages]
+# ``step`` is given each rank's gradients. In stage 1 they are by default the rank's LOCAL
+# gradients, as in stage 2: ``step`` averages them by reduce-scatter (bucket by bucket, into a
+# gradient shard of 1/W) and the update reads the shard; the full ``.grad`` tensors are left as
+# they were. A reduce-scatter and an all-gather move the bytes of one all-reduce, so this costs
+# what DDP's gradient all-reduce costs, and never trains on one rank's gradient by mistake. A
+# caller whose gradients are already averaged (behind DDP, or after its own all-reduce) says so
+# with ``grads_averaged=True``: nothing is reduced and the update reads its pieces of the full
+# gradients in place. Stage 2 always reduces (its point is to free full gradients), so
+# ``grads_averaged=True`` there is an error.
 
 
 class Stage(enum.IntEnum):
@@ -53,8 +55,9 @@ class ShardOptions:
     """The validated options of :func:`shard` (see its docstring)."""
 
     stage: Stage | int = Stage.OPTIMIZER_STATE
-    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    grads_averaged: bool = False
     master_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
     max_norm: float | None = None
     skip_nonfinite: bool = False
     algorithm: Algorithm | str = Algorithm.AUTO
@@ -63,12 +66,22 @@ class ShardOptions:
         if self.stage not in (1, 2):
             raise ValueError(f"shard: expected stage 1 or 2, got {self.stage!r}")
         object.__setattr__(self, "stage", Stage(self.stage))
-        n = self.bucket_numel
-        if n is not None and (type(n) is not int or n < 1):
-            raise ValueError(f"shard: expected bucket_numel None or an int >= 1, got {n!r}")
-        m = self.master_dtype
-        if m is not None and (not isinstance(m, torch.dtype) or not m.is_floating_point):
-            raise ValueError(f"shard: expected master_dtype None or a float dtype, got {m!r}")
+        if type(self.grads_averaged) is not bool:
+            raise ValueError(f"shard: expected grads_averaged a bool, got {self.grads_averaged!r}")
+        if self.grads_averaged and self.stage is Stage.GRADIENTS:
+            raise ValueError(
+                "shard: expected grads_averaged=False with stage=2 (stage 2 reduce-scatters local "
+                "gradients itself), got grads_averaged=True"
+            )
+        for name in ("master_dtype", "reduce_dtype"):
+            m = getattr(self, name)
+            if m is not None and (not isinstance(m, torch.dtype) or not m.is_floating_point):
+                raise ValueError(f"shard: expected {name} None or a float dtype, got {m!r}")
+        if self.reduce_dtype is not None and self.grads_averaged:
+            raise ValueError(
+                "shard: expected reduce_dtype=None with grads_averaged=True (nothing is "
+                f"reduced), got {self.reduce_dtype!r}"
+            )
         c = self.max_norm
         if c is not None and not (isinstance(c, (int, float)) and c > 0):
             raise ValueError(f"shard: expected max_norm None or > 0, got {c!r}")
@@ -76,6 +89,11 @@ class ShardOptions:
         if self.algorithm not in names:
             raise ValueError(f"shard: expected algorithm in {names}, got {self.algorithm!r}")
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+
+    @property
+    def reduces(self) -> bool:
+        """Whether ``step`` averages local gradients (see [Note: stage 1 averages])."""
+        return not self.grads_averaged
 
     @property
     def needs_health(self) -> bool:
@@ -103,8 +121,9 @@ def shard(
     *,
     group: ProcessGroup = None,
     stage: int = 1,
-    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+    grads_averaged: bool = False,
     master_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
     max_norm: float | None = None,
     skip_nonfinite: bool = False,
     algorithm: str = "auto",
@@ -112,37 +131,39 @@ def shard(
     """Partitions ``tx`` over the ranks of ``group`` as ``plan`` says (ZeRO stage 1 or 2).
 
     ``init(params)`` (``params``: the plan's tensors, in its order, as any pytree) checks the
-    input on every rank (see [Note: cross-rank validation]), moves the parameters into flat
-    buffers (see [Note: flat storage]), all-gathers them so that every rank starts from the
-    owners' values, and returns this rank's state (see [Note: sharded state layout]).
+    input on every rank (see [Note: cross-rank validation]), moves the parameters into the flat
+    buffers of the plan's buckets (see [Note: engine]), all-gathers them so that every rank
+    starts from the owners' values, and returns this rank's state (see
+    [Note: sharded state layout]).
 
     ``step(params, grads, state)`` updates the parameters in place and returns the new state
-    (which shares its tensors with ``state``: the optimizer state is updated in place too):
-
-    - stage 1: ``grads`` are the full gradients, already averaged over ranks (DDP, or the caller);
-      ``None`` takes each parameter's ``.grad``. The rank updates its slice, then the slices are
-      all-gathered (see [Note: update and gather pipeline]).
-    - stage 2: ``grads`` are the full *local* gradients (or ``None``: each ``.grad``); they are
-      averaged by reduce-scatter into this rank's gradient shard, then the rank updates its slice
-      and the slices are all-gathered. With :func:`register_grad_hooks`, the reduction happens
-      during backward and ``grads`` must be ``None``.
+    (which shares its tensors with ``state``: the optimizer state is updated in place too).
+    ``grads`` are each rank's full LOCAL gradients (``None``: each parameter's ``.grad``); they
+    are averaged over ranks by reduce-scatter into this rank's gradient shard (during backward
+    with :func:`register_grad_hooks`, then ``grads`` must be None), the rank updates its shard,
+    and the shards are all-gathered bucket by bucket (see [Note: update and gather pipeline];
+    with :func:`register_param_hooks` the gathers overlap the next forward). Stage 1 keeps the
+    full gradients; stage 2 frees them as they are reduced in hooks. With
+    ``grads_averaged=True`` (stage 1 only) the gradients are taken as already averaged (DDP)
+    and nothing is reduced (see [Note: stage 1 averages]).
 
     A ``None`` gradient skips its parameter (no state change), as in torch.optim. Gradient
     accumulation is described in [Note: gradient accumulation].
 
     Args:
         tx: a core transformation (its flat fast path is used where it has one).
-        plan: from ``plan_partition(params, world_size)``, the same on every rank.
+        plan: from ``plan_partition(params, world_size)``, the same on every rank; its buckets
+            are the units of every collective (``plan_partition(..., bucket_numel=...)``).
         group: the process group (None: the default group).
         stage: 1 (optimizer state sharded) or 2 (gradients too).
-        bucket_numel: elements of one collective, all ranks together (its staging buffer): a
-            group whose flat buffer is larger is split into chunks of ``bucket_numel //
-            world_size`` elements per rank (aligned as the plan), which go through staging
-            buffers and are pipelined with the update; see [Note: bucket size] and
-            [Note: default bucket size]. None: one collective per group.
+        grads_averaged: stage 1 only: the gradients given to ``step`` are already averaged
+            over ranks (behind DDP); skip the reduction.
         master_dtype: e.g. ``torch.float32``: keep master weights and optimizer state of the
             lower-precision groups (bfloat16, float16) in this dtype; parameters are gathered in
             their own dtype.
+        reduce_dtype: e.g. ``torch.float32``: reduce bfloat16/float16 gradients in this dtype
+            (packing converts them; the gradient shards keep it), as Megatron's
+            ``grad_reduce_in_fp32`` and FSDP2's ``reduce_dtype``.
         max_norm: clip the gradient to this global norm (the norm of the full gradient).
         skip_nonfinite: if any rank finds an inf or nan gradient, every rank skips the step
             (``state.stats.skipped``), e.g. under a gradient scaler.
@@ -163,7 +184,9 @@ def shard(
         [tensor([0.5000, 0.5000, 0.5000]), tensor([1., 1.])]
         >>> dist.destroy_process_group()
     """
-    opts = ShardOptions(stage, bucket_numel, master_dtype, max_norm, skip_nonfinite, algorithm)
+    opts = ShardOptions(
+        stage, grads_averaged, master_dtype, reduce_dtype, max_norm, skip_nonfinite, algorithm
+    )
 
     def init(params: PyTree) -> ShardedState:
         return _init(tx, plan, opts, group, tree_leaves(params))
@@ -189,21 +212,19 @@ def _init(
     error = check_params(plan, params, world)
     probed = probe_fields(tx, [torch.zeros(2, dtype=d) for d in _piece_dtypes(plan, opts)])
     agree_across_ranks("shard", error, fingerprint(plan, (opts, sorted(probed.items()))), group)
-
-    def needs_staging(device: torch.device, split: bool) -> bool:
-        if opts.stage is Stage.GRADIENTS:  # gradients are always packed
-            return True
-        return split and resolve_algorithm(opts.algorithm, group, device) is Algorithm.COLLECTIVE
-
-    layout = build_layout(plan, params, rank, opts.bucket_numel, needs_staging=needs_staging)
-    gather_params(layout, group, opts.algorithm)
+    layout = build_layout(
+        plan, params, rank, group=group, algorithm=opts.algorithm, reduce_dtype=opts.reduce_dtype
+    )
+    layout.sync_params()
     master = tuple(
-        None if m is None else layout.shard(g).to(m)
+        None if m is None else layout.copy_shard_out(g).to(m)
         for g, m in enumerate(opts.master_for(buf.dtype) for buf in layout.buffers)
     )
-    shards = [m if m is not None else layout.shard(g) for g, m in enumerate(master)]
+    shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(master)]
     inner, fields, _ = flatten_state(tx.init(layout.piece_views(shards)), layout, probed)
-    reducer = GradReducer(layout, group, opts.algorithm) if opts.stage is Stage.GRADIENTS else None
+    reducer = None
+    if opts.reduces:
+        reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)
     return ShardedState(inner, fields, layout, master, reducer, None)
 
 
@@ -223,6 +244,7 @@ def _step(
     problem = layout.check_views(params)
     if problem is not None:
         raise ValueError(f"shard: expected {problem}")
+    layout.wait_params()  # the update writes the shards the last gathers send
     error, present, piece_grads = _reduced_grads(opts, params, grads, state)
     stats = None
     if opts.needs_health:
@@ -236,8 +258,8 @@ def _step(
             coef = clip_coefficient(health.norm, opts.max_norm)
             in_place = opts.stage is Stage.GRADIENTS
             piece_grads = scale_grads(piece_grads, coef, in_place=in_place)
-    piece_grads = _to_master(piece_grads, layout, state.master)
-    update_and_gather(tx, state.inner, layout, piece_grads, state.master, group, opts.algorithm)
+    piece_grads = _to_update_dtype(piece_grads, layout, state.master)
+    update_and_sync(tx, state.inner, layout, piece_grads, state.master)
     return state._replace(stats=stats)
 
 
@@ -294,11 +316,13 @@ def _reduced_grads(
     return error, present, _present_views(state, present)
 
 
-def _to_master(
+def _to_update_dtype(
     grads: list[torch.Tensor | None], layout: FlatLayout, master: tuple[torch.Tensor | None, ...]
 ) -> list[torch.Tensor | None]:
+    """The gradients in the dtype of what they update: master weights, else the parameters."""
     out = []
     for g, piece in zip(grads, layout.pieces):
         m = master[piece.group]
-        out.append(g if g is None or m is None else g.to(m.dtype))
+        dtype = layout.buffers[piece.group].dtype if m is None else m.dtype
+        out.append(g if g is None or g.dtype == dtype else g.to(dtype))
     return out

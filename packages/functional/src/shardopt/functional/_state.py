@@ -26,29 +26,29 @@ __all__ = [
 # [Note: sharded state layout]
 # ``init`` returns a ShardedState; on rank r it holds only what rank r owns:
 #
-# - ``layout`` (a FlatLayout): ``plan``, ``rank``, ``buffers[g]`` the full flat parameter buffer
-#   of ``plan.groups[g]`` (the parameters are views of it), ``pieces = plan.pieces(rank)``.
+# - ``layout`` (a FlatLayout, the engine of [Note: engine]): ``plan``, ``rank``, ``buffers[g]``
+#   the full flat parameter buffer of ``plan.groups[g]`` (the parameters are views of it),
+#   ``pieces = plan.pieces(rank)``, the gradient shards and the collectives in flight.
 # - ``inner``: ``tx.init(pieces)`` where ``pieces`` is the list of this rank's pieces as 1-D views
-#   (of ``master[g]`` where that is set, of the rank's slice of ``buffers[g]`` otherwise). Piece
+#   (of ``master[g]`` where that is set, of the parameter buffer otherwise). Piece
 #   k of the list is ``layout.pieces[k]``. Its per-piece lists (the "fields", e.g. the ``mu`` of
 #   Adam, a list with one tensor per piece) are re-pointed into flat storage:
 # - ``fields``: one StateField per field, in ``tree_flatten`` order of ``inner``, with ``path``
 #   the pytree key path of the field in ``inner`` (e.g. ``"[1].mu"``), ``kind`` and ``buffers``
 #   (one per plan group g):
-#     ELEMENTWISE: ``buffers[g]`` has ``shard_numel`` elements, the state of piece k lies at
-#       ``[piece.offset, piece.offset + piece.numel)``: exactly where the piece's parameter
-#       elements lie in the rank's slice of ``layout.buffers[g]``. Gathering ``buffers[g]`` of
-#       every rank (rank-major, like the parameters) gives the field for every tensor of the
-#       group at ``plan.groups[g].offsets``; padding holds zeros.
+#     ELEMENTWISE: ``buffers[g]`` is compact ([Note: flat storage]): ``shard_numels[rank]``
+#       elements, the state of piece k at ``[piece.offset, piece.offset + piece.numel)``, the
+#       rank's shards of the group's buckets end to end; padding holds zeros.
 #     PER_PIECE: one value per piece (a 0-d leaf, e.g. the per-parameter step count):
 #       ``buffers[g][j]`` is the value of the j-th piece of group g in ``layout.pieces``. The
 #       pieces of one tensor on different ranks hold the same value (they see the same gradients),
 #       so a consolidated state takes it from the rank owning the tensor's first element.
 #   The field set, kinds and dtypes are the same on every rank (found by ``probe_fields`` from
 #   the plan, not from the pieces), so ranks owning nothing still hold (zero) buffers.
-# - ``master[g]``: the rank's slice of the float32 (``master_dtype``) master weights of a low
-#   precision group, ``shard_numel`` elements laid out like the parameters, or None.
-# - ``reducer``: stage 2's gradient reducer (persistent gradient shards, hooks), else None.
+# - ``master[g]``: the rank's compact shard of the float32 (``master_dtype``) master weights of
+#   a low precision group, laid out like the ELEMENTWISE fields, or None.
+# - ``reducer``: the gradient reducer (hooks; the gradient shards are the layout's) when the
+#   sharded transformation reduces gradients (stage 2; stage 1 without ``grads_averaged``).
 # - ``stats``: the global gradient norm and whether the last step was skipped (or None).
 #
 # Leaves of ``inner`` outside fields (a transform with a global, not per-parameter, state) stay as
@@ -186,7 +186,7 @@ def _alloc(
         sizes[piece.group] += 1
     out = []
     for g, group in enumerate(layout.plan.groups):
-        numel = group.shard_numel if kind is FieldKind.ELEMENTWISE else sizes[g]
+        numel = group.shard_numels[layout.rank] if kind is FieldKind.ELEMENTWISE else sizes[g]
         out.append(torch.zeros(numel, dtype=dtypes[g], device=layout.buffers[g].device))
     return tuple(out)
 

@@ -24,28 +24,30 @@ __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams
 Hyperparams = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 
 # [Note: consolidation by gathers]
-# Rank ``to`` must end up holding the S bytes of the result; the aim is to hold little besides.
-# It allocates every entry first (each tensor contiguous, with a storage of its own), then fills
-# the ELEMENTWISE ones one field of one plan group at a time. Rank r's shard (``shard_numel``
-# elements) is elements ``[r * shard_numel, (r + 1) * shard_numel)`` of the group's flat buffer,
-# and ``Plan.pieces(r)`` says which entry each of its elements belongs to (padding belongs to
-# none). Shards travel in windows of 1 / (2 W) shard: each of 2 W gathers brings one window of
-# every rank's shard into a staging buffer of W windows (half a shard), whose rows are copied
-# into the entries. Why windows: gloo's gather stages its whole result in a hidden buffer before
-# copying it into the outputs (measured: the peak is twice the output), so one gather per field
-# would hold the whole field twice besides S; with windows, staging and gloo's copy of it hold
-# one shard (<= S / W; gloo frees its copy on its own thread, at times a window late): the peak
-# is S plus one field shard (NCCL's gather writes into the outputs: S plus half a shard). The
-# cost, 2 W gathers per field and plan group instead of one, is small next to the bytes at the
-# world sizes gloo runs (measured at W = 2 and 4: faster than point-to-point sends to ``to`` one
-# rank at a time). Why not views into a gathered buffer: pickle (``broadcast_object_list``) and
-# ``torch.save`` of one entry would write the view's whole storage. PER_PIECE values (counts,
-# NAdam's mu_product) travel first, as one (fields x tensors) float64 matrix per rank, each rank
-# filling the columns of the tensors whose first element it owns (float64 holds float32 counts
-# exactly); rank ``to`` reads column t from that owner, and the counts decide which parameters
-# get an entry. The gathers run on the CPU under gloo (it has no CUDA gather) and on the CUDA
-# device under NCCL ([Note: collective algorithms]); nothing is pickled. Every check runs before
-# the first gather, on every rank alike, so a bad argument raises everywhere.
+# Rank ``to`` must end up holding the S bytes of the result; the aim is to hold little besides. It
+# allocates every entry first (each tensor contiguous, with a storage of its own), then fills the
+# ELEMENTWISE ones one field of one plan group at a time. Rank r's field buffer of a group is its
+# compact shard (``shard_numels[r]`` elements, [Note: flat storage]), and ``Plan.pieces(r)`` says
+# which entry each of its elements belongs to (padding belongs to none). Shards travel in windows of
+# 1 / (2 W) of the group's largest shard: each of 2 W gathers brings one window of every rank's
+# shard into a staging buffer of W windows (half a shard), whose rows are copied into the entries. A
+# gather needs equal sizes on every rank, and greedy shards are unequal, so each rank pads its shard
+# with zeros to the largest (``max(shard_numels)``, never more), copying only the one window that
+# runs past its end; the padding of a row belongs to no piece and is never read. Why windows: gloo's
+# gather stages its whole result in a hidden buffer before copying it into the outputs (measured:
+# the peak is twice the output), so one gather per field would hold the whole field twice besides S;
+# with windows, staging and gloo's copy of it hold one shard (<= S / W; gloo frees its copy on its
+# own thread, at times a window late): the peak is S plus one field shard (NCCL's gather writes into
+# the outputs: S plus half a shard). The cost, 2 W gathers per field and plan group instead of one,
+# is small next to the bytes at the world sizes gloo runs (measured at W = 2 and 4: faster than
+# point-to-point sends to ``to`` one rank at a time). Why not views into a gathered buffer: pickle
+# (``broadcast_object_list``) and ``torch.save`` of one entry would write the view's whole storage.
+# PER_PIECE values (counts, NAdam's mu_product) travel first, as one (fields x tensors) float64
+# matrix per rank, each rank filling the columns of the tensors whose first element it owns (float64
+# holds float32 counts exactly); rank ``to`` reads column t from that owner, and the counts decide
+# which parameters get an entry. The gathers run on the CPU under gloo (it has no CUDA gather) and
+# on the CUDA device under NCCL ([Note: collective algorithms]); nothing is pickled. Every check
+# runs before the first gather, on every rank alike, so a bad argument raises everywhere.
 
 
 def torch_hyperparams(optimizer: type[torch.optim.Optimizer], **kwargs: Any) -> dict[str, Any]:
@@ -104,6 +106,7 @@ def consolidate_state_dict(
         >>> dist.destroy_process_group()
     """
     api = "consolidate_state_dict"
+    state.layout.wait_params()  # [Note: deferred parameter sync]
     plan = state.layout.plan
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world != plan.world_size:
@@ -187,21 +190,25 @@ def _gather_rows(rows: torch.Tensor, to: int, group: ProcessGroup) -> torch.Tens
 
 
 def _windows(
-    buf: torch.Tensor, to: int, group: ProcessGroup
+    buf: torch.Tensor, numel: int, to: int, group: ProcessGroup
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """On rank ``to``: (rank r, offset lo, elements ``[lo, lo + len)`` of r's ``buf``), covering
-    every rank's ``buf``, each valid until the next is asked for; elsewhere nothing. Collective
-    (2 W gathers, see [Note: consolidation by gathers]): every rank must exhaust it."""
+    """On rank ``to``: (rank r, offset lo, elements ``[lo, lo + len)`` of r's ``buf`` padded with
+    zeros to ``numel``, the largest ``buf`` of any rank), covering every rank's ``buf``, each
+    valid until the next is asked for; elsewhere nothing. Collective (2 W gathers of equal
+    sizes, see [Note: consolidation by gathers]): every rank must exhaust it."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     flat = buf.to(comm_device(group)).reshape(-1)
     if world == 1:
         yield 0, 0, flat
         return
-    chunk = max(1, -(-flat.numel() // (2 * world)))
+    chunk = max(1, -(-numel // (2 * world)))
     staging = flat.new_empty(world * chunk) if rank == to else None
-    for lo in range(0, flat.numel(), chunk):
-        send = flat[lo : lo + chunk]
-        rows = None if staging is None else staging[: world * send.numel()].view(world, -1)
+    for lo in range(0, numel, chunk):
+        n = min(chunk, numel - lo)
+        send = flat[lo : lo + n]
+        if send.numel() < n:  # past the end of this rank's shard: pad (one window at most)
+            send = torch.cat([send, flat.new_zeros(n - send.numel())])
+        rows = None if staging is None else staging[: world * n].view(world, -1)
         dist.gather(send, None if rows is None else list(rows.unbind(0)), group_dst=to, group=group)
         for r, row in enumerate(rows if rows is not None else ()):
             yield r, lo, row
@@ -249,7 +256,8 @@ def _gather_elementwise(
     for g in range(len(plan.groups)):
         pieces = [[p for p in mine if p.group == g] for mine in owned]
         for f, key in fields:
-            _copy_pieces(_windows(f.buffers[g], to, group), pieces, key, targets)
+            numel = max(plan.groups[g].shard_numels)
+            _copy_pieces(_windows(f.buffers[g], numel, to, group), pieces, key, targets)
 
 
 def _copy_pieces(
@@ -327,6 +335,7 @@ def load_torch_state_dict(
         >>> dist.destroy_process_group()
     """
     api = "load_torch_state_dict"
+    state.layout.wait_params()
     keys = field_keys(state, api, torch_only=True)
     layout, plan = state.layout, state.layout.plan
     key_of = param_keys(api, plan, names)
@@ -355,7 +364,7 @@ def load_torch_state_dict(
                     dst.copy_(entry[key].reshape(-1)[piece.start : piece.stop])
         for g, master in enumerate(state.master):
             if master is not None:
-                master.copy_(layout.shard(g))
+                master.copy_(layout.copy_shard_out(g))
 
 
 def _checked_entries(

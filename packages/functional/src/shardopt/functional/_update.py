@@ -9,68 +9,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core import Transformation, update_flat_
-from shardopt.functional._collectives import (
-    Algorithm,
-    PendingQueue,
-    ProcessGroup,
-    all_gather_params,
-)
-from shardopt.functional._layout import Chunk, FlatLayout
+from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
 
-__all__ = ["gather_chunk", "gather_params", "update_and_gather"]
+__all__ = ["update_and_sync"]
 
 # [Note: update and gather pipeline]
-# The rank's pieces are updated through core's flat fast path (``update_flat_``), a bucket of
-# pieces at a time, group by group; after each bucket, the chunks whose every element is now up
-# to date are all-gathered asynchronously, so the gather of chunk k runs while the pieces of
-# chunk k + 1 are updated. A piece that straddles a chunk boundary is updated whole with the
-# earlier chunk (a piece is the unit of the update: its step count must advance once). A group
-# whose flat buffer has at most ``bucket_numel`` elements is one chunk ([Note: bucket size]): its
-# gather is in place and group g's gather overlaps group g + 1's update. A state with tensors
-# outside its per-piece fields cannot be cut by pieces; it is updated in one call, then gathered.
-
-
-def gather_chunk(
-    layout: FlatLayout,
-    k: int,
-    queue: PendingQueue,
-    group: ProcessGroup,
-    algorithm: Algorithm | str = Algorithm.AUTO,
-) -> None:
-    """Launches the all-gather of ``layout.chunks[k]`` (its group's staging slots in turn).
-
-    The last chunk runs synchronously: nothing is left to overlap it with, and a blocking call
-    costs less than an asynchronous one (gloo hands those to a worker thread).
-    """
-    c: Chunk = layout.chunks[k]
-    shard_numel = layout.plan.groups[c.group].shard_numel
-    whole = (c.start, c.stop) == (0, shard_numel)
-    staging, buffers = None, layout.staging[c.group]
-    slot = k % (2 if buffers is None else len(buffers))
-    if not whole and buffers is not None:
-        queue.release((c.group, slot))
-        staging = buffers[slot]
-    pending = all_gather_params(
-        layout.buffers[c.group],
-        shard_numel,
-        bucket=None if whole else (c.start, c.stop),
-        staging=staging,
-        group=group,
-        async_op=k < len(layout.chunks) - 1,
-        algorithm=algorithm,
-    )
-    queue.push((c.group, slot), pending)
-
-
-def gather_params(
-    layout: FlatLayout, group: ProcessGroup, algorithm: Algorithm | str = Algorithm.AUTO
-) -> None:
-    """All-gathers every rank's slices into every rank's buffers (one parameter sync)."""
-    queue = PendingQueue()
-    for k in range(len(layout.chunks)):
-        gather_chunk(layout, k, queue, group, algorithm)
-    queue.wait_all()
+# The rank's pieces are updated through core's flat fast path (``update_flat_``) one bucket at a
+# time, in bucket order; once a bucket's pieces are updated (and, with master weights, copied
+# into the rank's shard of the parameter buffer) its all-gather is launched, so the gather of
+# bucket k runs while the pieces of bucket k + 1 are updated. A piece never straddles buckets
+# (tensors are whole in one bucket), so a piece is updated exactly once and its step count
+# advances once. With ``register_param_hooks`` the last gathers are still in flight when step
+# returns ([Note: deferred parameter sync]). A state with tensors outside its per-piece fields
+# cannot be cut by pieces; it is updated in one call, then gathered bucket by bucket.
 
 
 def _sliceable(inner: Any, n: int) -> bool:
@@ -81,76 +33,53 @@ def _sliceable(inner: Any, n: int) -> bool:
     return not any(isinstance(x, torch.Tensor) for x in leaves)
 
 
-class _Updater:
-    """Updates ranges of pieces in place and copies master weights back into the parameters."""
-
-    def __init__(
-        self,
-        tx: Transformation,
-        inner: Any,
-        layout: FlatLayout,
-        params: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor | None],
-        master: Sequence[torch.Tensor | None],
-    ) -> None:
-        self.tx, self.inner, self.layout = tx, inner, layout
-        self.params, self.grads, self.master = params, grads, master
-        self.n = len(layout.pieces)
-
-    def update(self, lo: int, hi: int) -> None:
-        if lo >= hi:
-            return
-        grads = self.grads[lo:hi]
-        if any(g is not None for g in grads):
-            whole = (lo, hi) == (0, self.n)
-            state = self.inner if whole else slice_state(self.inner, self.n, lo, hi)
-            update_flat_(self.tx, self.params[lo:hi], grads, state)
-        self.copy_master(lo, hi)
-
-    def copy_master(self, lo: int, hi: int) -> None:
-        pieces = self.layout.pieces
-        for g in {pieces[i].group for i in range(lo, hi)}:
-            master = self.master[g]
-            if master is None:
-                continue
-            mine = [pieces[i] for i in range(lo, hi) if pieces[i].group == g]
-            a, b = mine[0].offset, mine[-1].offset + mine[-1].numel
-            with torch.no_grad():
-                self.layout.shard(g)[a:b].copy_(master[a:b])
+def _update(
+    tx: Transformation,
+    inner: Any,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    lo: int,
+    hi: int,
+) -> None:
+    if lo >= hi or all(g is None for g in grads[lo:hi]):
+        return
+    n = len(params)
+    state = inner if (lo, hi) == (0, n) else slice_state(inner, n, lo, hi)
+    update_flat_(tx, params[lo:hi], grads[lo:hi], state)
 
 
-def update_and_gather(
+def _copy_master(layout: FlatLayout, master: Sequence[torch.Tensor | None], key: BucketKey) -> None:
+    m = master[key[0]]
+    if m is not None:
+        with torch.no_grad():
+            layout.bucket_shard(key).copy_(layout.compact(master, key))  # type: ignore[arg-type]
+
+
+def update_and_sync(
     tx: Transformation,
     inner: Any,
     layout: FlatLayout,
     grads: Sequence[torch.Tensor | None],
     master: Sequence[torch.Tensor | None],
-    group: ProcessGroup,
-    algorithm: Algorithm | str = Algorithm.AUTO,
 ) -> None:
     """Updates this rank's pieces with ``grads`` (one per piece) and syncs the parameters.
 
-    See [Note: update and gather pipeline]. ``inner`` is updated in place.
+    See [Note: update and gather pipeline]. ``inner`` is updated in place. Returns with the
+    gathers in flight when param hooks are registered (``layout.deferred``), else when they are
+    done.
     """
-    shards = [m if m is not None else layout.shard(g) for g, m in enumerate(master)]
-    params = layout.piece_views(shards)
-    updater = _Updater(tx, inner, layout, params, grads, master)
-    queue = PendingQueue()
-    if not _sliceable(inner, updater.n):
-        updater.update(0, updater.n)
-        for k in range(len(layout.chunks)):
-            gather_chunk(layout, k, queue, group, algorithm)
-        queue.wait_all()
-        return
-    pieces, i = layout.pieces, 0
-    for k, c in enumerate(layout.chunks):
-        j = i
-        while j < len(pieces) and (
-            pieces[j].group < c.group or (pieces[j].group == c.group and pieces[j].offset < c.stop)
-        ):
-            j += 1
-        updater.update(i, j)
-        i = j
-        gather_chunk(layout, k, queue, group, algorithm)
-    updater.update(i, len(pieces))  # pieces of groups without chunks (none in a valid plan)
-    queue.wait_all()
+    params: list[torch.Tensor] = list(layout.param_views())
+    for i, p in enumerate(layout.pieces):
+        m = master[p.group]
+        if m is not None:
+            params[i] = m[p.offset : p.offset + p.numel]
+    sliceable = _sliceable(inner, len(params))
+    if not sliceable:
+        _update(tx, inner, params, grads, 0, len(params))
+    for key in layout.keys:
+        if sliceable:
+            _update(tx, inner, params, grads, *layout.piece_ranges[key])
+        _copy_master(layout, master, key)
+        layout.start_param_sync(key)
+    if not layout.deferred:
+        layout.wait_params()

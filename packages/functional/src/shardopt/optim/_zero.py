@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from shardopt.core import Plan
 from shardopt.functional._validate import agree_across_ranks, fingerprint
+from shardopt.optim._zero_engine import EngineSync
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
 from shardopt.optim._zero_params import (
@@ -37,7 +37,6 @@ from shardopt.optim._zero_state_dict import (
     local_states,
     saved_entries,
 )
-from shardopt.optim._zero_sync import ParamSync
 from shardopt.optim._zero_transport import comm_device, on_device
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -47,7 +46,7 @@ logger = logging.getLogger(__name__)
 API = "ZeroRedundancyOptimizer"
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -144,7 +143,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated: dict[int, dict[str, Any]] | None = None
         self._warned_overlap_step = False
         self._cache: dict[str, Any] = {}
-        self._param_sync: ParamSync | None = None
+        self._layout = None  # greedy with bucket views: the engine (see EngineSync)
+        self._staged = None  # greedy without: the same buckets, staged
         self.optim: Any
         if self._partition is Partition.FLAT:
             self._init_flat()
@@ -163,13 +163,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with on_device(self._default_device):
             agree_across_ranks(API, None, fingerprint(plan, extra), self.process_group)
         self._set_plan(plan)
-
-    def _set_plan(self, plan: Plan) -> None:
-        self._cache["plan"] = plan
-        views = self.parameters_as_bucket_view
-        self._param_sync = ParamSync(
-            plan, self._index_to_param, self.rank, self.process_group, views=views
-        )
 
     def _init_flat(self) -> None:
         full = torch_defaults(self._optim_constructor, self._optim_defaults, self._all_params[0])
@@ -267,6 +260,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._step_and_sync(None, {})
 
     def _step_and_sync(self, closure: Callable[[], Any] | None, kwargs: dict[str, Any]) -> Any:
+        self.wait_params()  # the update writes what the last gathers send
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         if self._flat:
             loss = self.optim.step(closure, **kwargs)  # updates and syncs
@@ -275,8 +269,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             loss = self.optim.step(closure=closure, **kwargs)
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
-        if self._param_sync is not None:
-            self._param_sync.sync()
+        self._sync_params()
         return loss
 
     def _step_params(self, params: Sequence[torch.Tensor]) -> None:
@@ -290,13 +283,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._sync_param_groups(self.param_groups, self.optim.param_groups)
             step_only(self.optim, mine)
             self._sync_param_groups(self.optim.param_groups, self.param_groups)
-
-    def _sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
-        """Starts the sync of just ``params`` from their owners; returns handles with ``wait()``
-        (see ParamSync.sync_of). Every rank passes the same parameters in the same order."""
-        if self._param_sync is None:
-            raise RuntimeError(f"{API}._sync_params_of: expected partition='greedy', got 'flat'")
-        return self._param_sync.sync_of(params, async_op=async_op)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group and re-partitions; must be called on every rank.
@@ -341,6 +327,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         rank ``to`` (and raises on the others).
         """
         check_rank("consolidate_state_dict", "to", to, self.world_size)
+        self.wait_params()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         with on_device(self._default_device):
             if self._flat:
@@ -364,6 +351,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"none on rank {self.rank}; call consolidate_state_dict(to={self.rank}) on all "
                 "ranks first"
             )
+        self.wait_params()
         out = super().state_dict()
         out["state"] = dict(sorted(self._consolidated.items()))
         return out

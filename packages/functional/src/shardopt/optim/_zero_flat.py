@@ -74,7 +74,7 @@ class _Unit:
         self.set_tx(tx, hyper, group)
         self.state: ShardedState = self.sharded.init(params)
         layout = self.state.layout
-        self.pieces = layout.piece_views([layout.shard(g) for g in range(len(layout.buffers))])
+        self.pieces = layout.param_views()
 
     def structure(self, tx: Transformation) -> dict[str, Any]:
         """The fields of ``tx``'s state over this plan: path -> (kind, dtypes)."""
@@ -84,7 +84,13 @@ class _Unit:
 
     def set_tx(self, tx: Transformation, hyper: dict[str, Any], group: ProcessGroup) -> None:
         """Steps with ``tx``, built from ``hyper``, from now on (the state is kept)."""
-        self.sharded: ShardedTransformation = shard(tx, self.plan, group=group, stage=1)
+        self.sharded: ShardedTransformation = shard(
+            tx,
+            self.plan,
+            group=group,
+            stage=1,
+            grads_averaged=True,  # DDP averaged them
+        )
         self.fields = self.structure(tx)
         self.initial = init_values(tx, [getattr(torch, g.dtype) for g in self.plan.groups])
         self.hyper = hyper
