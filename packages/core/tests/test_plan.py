@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardopt.core
-from shardopt.core import FlatGroup, Piece, Plan, Strategy, SyncCost, TensorSpec, plan_partition
+from shardopt.core import Bucket, FlatGroup, Piece, Plan, Strategy, TensorSpec, plan_partition
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int8")
 DEVICES = ("cpu", "meta")
@@ -98,9 +98,18 @@ def check_invariants(plan: Plan) -> None:
         for p in pieces:
             g = plan.groups[p.group]
             assert group_of[p.tensor] == p.group
-            assert p.offset + p.numel <= g.shard_numel
+            assert p.offset + p.numel <= g.shard_numels[rank]
             k = g.tensors.index(p.tensor)
-            assert rank * g.shard_numel + p.offset == g.offsets[k] + p.start  # offsets agree
+            pos = g.offsets[k] + p.start  # where the piece lies in the group's buffer
+            b = next(b for b in g.buckets if b.start <= pos < b.stop)
+            inside = [x for x in g.buckets if x.start <= g.offsets[k] < x.stop]
+            assert inside == [b]  # the whole tensor lies in this one bucket
+            assert g.offsets[k] + plan.tensors[p.tensor].numel <= b.stop
+            base = sum(x.shards[rank] for x in g.buckets if x.stop <= b.start)
+            lo = b.shard_start(rank)
+            assert lo <= pos  # in the rank's shard of the bucket
+            assert pos + p.numel <= lo + b.shards[rank]
+            assert p.offset == base + pos - lo  # offsets agree with the compact shard
             cover[p.tensor].append((p.start, p.stop, rank, p))
             numel[rank] += p.numel
             nbytes[rank] += p.numel * plan.tensors[p.tensor].torch_dtype.itemsize
@@ -118,19 +127,19 @@ def check_invariants(plan: Plan) -> None:
 
 
 def check_flat(plan: Plan) -> None:
-    """Each rank's slice of each group is contiguous (padding only at the end), aligned, equal."""
+    """Each bucket's shards are equal and aligned, padded by less than ``align`` per rank; the
+    tensors keep their given order, end to end from each bucket's start."""
     w, align = plan.world_size, plan.align
-    for gi, g in enumerate(plan.groups):
-        total = sum(plan.tensors[t].numel for t in g.tensors)
-        assert g.shard_numel % align == 0
-        assert total <= g.padded_numel < total + w * align  # minimal padding
+    for g in plan.groups:
         assert list(g.tensors) == sorted(g.tensors)  # given order
-        for rank in range(w):
-            offsets = [(p.offset, p.numel) for p in plan.pieces(rank) if p.group == gi]
-            owned = min(max(total - rank * g.shard_numel, 0), g.shard_numel)
-            starts = [0, *(o + n for o, n in offsets[:-1])]
-            assert [o for o, _ in offsets] == starts[: len(offsets)]
-            assert sum(n for _, n in offsets) == owned
+        for b in g.buckets:
+            inside = [(t, o) for t, o in zip(g.tensors, g.offsets) if b.start <= o < b.stop]
+            total = sum(plan.tensors[t].numel for t, _ in inside)
+            assert b.uniform
+            assert b.shards[0] % align == 0
+            assert total <= b.numel < total + w * align  # minimal padding
+            ends = [b.start, *(o + plan.tensors[t].numel for t, o in inside)]
+            assert [o for _, o in inside] == ends[:-1]  # end to end from the bucket's start
 
 
 def check_greedy(plan: Plan, numels_per_group: list[list[int]]) -> None:
@@ -140,10 +149,12 @@ def check_greedy(plan: Plan, numels_per_group: list[list[int]]) -> None:
         expected = ((plan.owners[t], 0, spec.numel),) if spec.numel else ()
         assert tuple((r, p.start, p.stop) for r, p in plan.tensor_pieces(t)) == expected
     for g in plan.groups:
-        totals = [0] * plan.world_size
-        for t in g.tensors:
-            totals[plan.owners[t]] += plan.tensors[t].numel
-        assert g.shard_numel == -(-max(totals) // plan.align) * plan.align
+        for b in g.buckets:  # shard r: exactly rank r's tensors of the bucket, rounded to align
+            totals = [0] * plan.world_size
+            for t, o in zip(g.tensors, g.offsets):
+                if b.start <= o < b.stop:
+                    totals[plan.owners[t]] += plan.tensors[t].numel
+            assert b.shards == tuple(-(-n // plan.align) * plan.align for n in totals)
 
 
 # --------------------------------------------------------------------------- hypothesis
@@ -159,12 +170,15 @@ PLAN_ARGS = st.tuples(
     st.integers(1, 9),
     st.sampled_from(("flat", "greedy")),
     st.none() | st.integers(1, 8),
+    st.none() | st.integers(1, 40),
 )
 
 
 def build(args: tuple[Any, ...]) -> Plan:
-    groups, world_size, strategy, align = args
-    return plan_partition(groups, world_size, strategy=strategy, align=align)
+    groups, world_size, strategy, align, bucket_numel = args
+    return plan_partition(
+        groups, world_size, strategy=strategy, align=align, bucket_numel=bucket_numel
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -174,7 +188,7 @@ def test_every_element_is_owned_by_exactly_one_rank_and_pieces_agree(args):
 
 
 @settings(max_examples=60, deadline=None)
-@given(PLAN_ARGS.map(lambda a: (a[0], a[1], "flat", a[3])))
+@given(PLAN_ARGS.map(lambda a: (a[0], a[1], "flat", a[3], a[4])))
 def test_flat_slices_are_contiguous_aligned_and_equal(args):
     plan = build(args)
     assert plan.owners is None
@@ -183,7 +197,7 @@ def test_flat_slices_are_contiguous_aligned_and_equal(args):
 
 
 @settings(max_examples=60, deadline=None)
-@given(PLAN_ARGS.map(lambda a: (a[0], a[1], "greedy", a[3])))
+@given(PLAN_ARGS.map(lambda a: (a[0], a[1], "greedy", a[3], a[4])))
 def test_greedy_matches_the_reference_rule_and_torch_zero(args):
     groups, world_size = args[0], args[1]
     plan = build(args)
@@ -256,36 +270,67 @@ def test_greedy_owners_equal_torch_zero_partition_parameters(groups, world_size)
 def test_flat_layout_of_a_small_example_straddles_ranks():
     plan = plan_partition([((4, 3), "float32"), ((5,), "float32"), ((3,), "bfloat16")], 2, align=4)
     f32, bf16 = plan.groups
-    assert (f32.tensors, f32.offsets, f32.shard_numel, f32.padded_numel) == (
+    assert (f32.tensors, f32.offsets, f32.buckets, f32.numel) == (
         (0, 1),
         (0, 12),
-        12,
+        (Bucket(0, (12, 12)),),
         24,
     )
-    assert (bf16.tensors, bf16.offsets, bf16.shard_numel) == ((2,), (0,), 4)
+    assert (bf16.tensors, bf16.offsets, bf16.shard_numels) == ((2,), (0,), (4, 4))
     assert plan.pieces(0) == (Piece(0, 0, 12, 0, 0), Piece(2, 0, 3, 1, 0))
     assert plan.pieces(1) == (Piece(1, 0, 5, 0, 0),)
     assert plan.numel_per_rank() == (15, 5)
     assert plan.bytes_per_rank() == (54, 20)
-    assert plan.sync_cost() == SyncCost(2, 12 * 4 + 4 * 2, 12 * 4 + 4 * 2)
 
 
-def test_greedy_layout_puts_each_rank_s_tensors_at_its_shard_start():
+def test_buckets_are_closed_walking_back_and_each_rank_owns_a_shard_of_every_bucket():
+    """Bucket-major: with buckets of >= 8 elements, the last tensors form the last bucket, and
+    every rank owns one equal, aligned shard of each bucket."""
+    shapes = [((6,), "float32"), ((5,), "float32"), ((3,), "float32"), ((6,), "float32")]
+    plan = plan_partition(shapes, 2, align=2, bucket_numel=8)
+    (g,) = plan.groups
+    assert g.buckets == (Bucket(0, (6, 6)), Bucket(12, (6, 6)))  # [6, 5] and [3, 6]
+    assert g.offsets == (0, 6, 12, 15)
+    assert plan.pieces(0) == (Piece(0, 0, 6, 0, 0), Piece(2, 0, 3, 0, 6), Piece(3, 0, 3, 0, 9))
+    assert plan.pieces(1) == (Piece(1, 0, 5, 0, 0), Piece(3, 3, 6, 0, 6))
+    assert plan.locate(3) == (0, 1, 15)
+
+
+def test_a_tensor_of_bucket_numel_elements_or_more_is_a_bucket_of_its_own():
+    plan = plan_partition([((2,), "float32"), ((40,), "float32"), ((3,), "float32")], 2,
+                          align=1, bucket_numel=8)  # fmt: skip
+    (g,) = plan.groups
+    assert [b.numel for b in g.buckets] == [2, 40, 4]  # [2], [40], [3] padded to 2 x 2
+    assert [plan.locate(t)[1] for t in range(3)] == [0, 1, 2]
+
+
+def test_greedy_layout_puts_each_owner_s_tensors_in_its_shard_without_padding_to_the_largest():
     plan = plan_partition(
         [((6,), "float32"), ((2,), "float32"), ((3,), "float32")], 2, strategy="greedy", align=2
     )
     assert plan.owners == (0, 1, 1)
     (g,) = plan.groups
-    assert (g.tensors, g.offsets, g.shard_numel) == ((0, 1, 2), (0, 6, 8), 6)
+    assert (g.tensors, g.offsets, g.buckets) == ((0, 1, 2), (0, 6, 8), (Bucket(0, (6, 6)),))
     assert plan.pieces(1) == (Piece(1, 0, 2, 0, 0), Piece(2, 0, 3, 0, 2))
     assert plan.imbalance() == pytest.approx(6 / 5.5)
-    assert plan.sync_cost() == SyncCost(1, 24, 24)
+    exact = plan_partition([((6,), "float32"), ((2,), "float32")], 2, strategy="greedy")
+    assert exact.groups[0].buckets == (Bucket(0, (6, 2)),)  # 8 elements, not 2 x 6
 
 
-def test_world_size_one_owns_everything_without_communication_bytes():
+def test_greedy_gpt2_xl_holds_one_model_per_rank_at_world_size_1024():
+    """Before buckets with exact shards, greedy padded every rank to the largest (the embedding):
+    52.9x the model per rank at W = 1024. Now the buffer is the model, whatever W."""
+    block = [(1600,), (1600,), (1600, 4800), (4800,), (1600, 1600), (1600,), (1600,), (1600,),
+             (1600, 6400), (6400,), (6400, 1600), (1600,)]  # fmt: skip
+    shapes = [(50257, 1600), (1024, 1600), *block * 48, (1600,), (1600,)]
+    plan = plan_partition([torch.empty(s, device="meta") for s in shapes], 1024, strategy="greedy")
+    total = sum(math.prod(s) for s in shapes)
+    assert sum(g.numel for g in plan.groups) == total  # per rank: exactly the model's elements
+
+
+def test_world_size_one_owns_everything():
     plan = plan_partition(gpt2_small_meta()[:5], 1)
     assert plan.imbalance() == 1.0
-    assert plan.sync_cost() == SyncCost(1, 0, 0)
     assert all(len(plan.tensor_pieces(t)) == 1 for t in range(5))
 
 
@@ -294,7 +339,17 @@ def test_zero_numel_tensors_have_no_pieces_and_all_empty_plans_have_imbalance_on
     assert plan.tensor_pieces(0) == plan.tensor_pieces(2) == ()
     assert plan.tensor_pieces(1) == ((0, Piece(1, 0, 1, 0, 0)),)
     empty = plan_partition([((0,), "float32")], 4, strategy="greedy")
-    assert (empty.groups[0].shard_numel, empty.imbalance(), empty.pieces(3)) == (0, 1.0, ())
+    assert (empty.groups[0].shard_numels, empty.imbalance(), empty.pieces(3)) == (
+        (0, 0, 0, 0),
+        1.0,
+        (),
+    )
+
+
+@pytest.mark.parametrize("bucket_numel", [0, -3, 2.5, "8"])
+def test_bucket_numel_must_be_a_positive_int_or_none(bucket_numel):
+    with pytest.raises((TypeError, ValueError), match=r"plan_partition: expected bucket_numel"):
+        plan_partition([((3,), "float32")], 2, bucket_numel=bucket_numel)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -491,14 +546,26 @@ TAMPERED = [
         id="offset_shifted",
     ),
     pytest.param(
-        FLAT, _edit("groups", 0, "shard_numel", to=lambda s: s + 2),
-        "Plan: groups[0].shard_numel breaks the flat layout rule: expected 8, got 10",
+        FLAT, _edit("groups", 0, "buckets", 0, "shards", to=lambda s: [n + 2 for n in s]),
+        "Plan: groups[0].buckets breaks the flat layout rule at index 0: expected "
+        "Bucket(start=0, shards=(8, 8, 8)), got Bucket(start=0, shards=(10, 10, 10))",
         id="shard_too_big",
     ),
     pytest.param(
-        GREEDY, _edit("groups", 0, "shard_numel", to=lambda s: s - 1),
-        "Plan: groups[0].shard_numel breaks the greedy layout rule: expected 12, got 11",
+        GREEDY, _edit("groups", 0, "buckets", 0, "shards", 0, to=lambda n: n - 1),
+        "Plan: groups[0].buckets breaks the greedy layout rule at index 0: expected "
+        "Bucket(start=0, shards=(12, 0, 7)), got Bucket(start=0, shards=(11, 0, 7))",
         id="greedy_shard_too_small",
+    ),
+    pytest.param(
+        GREEDY, _edit("groups", 0, "buckets", 0, "start", to=lambda n: n + 1),
+        "Plan.from_dict: groups[0]: FlatGroup: expected buckets[0] to start at 0",
+        id="bucket_moved",
+    ),
+    pytest.param(
+        FLAT, _edit("bucket_numel", to=lambda _: 4),
+        "Plan: groups[0].offsets breaks the flat layout rule at index 2: expected 18, got 17",
+        id="bucket_numel_changed",
     ),
     pytest.param(
         FLAT, _edit("groups", to=lambda g: g[::-1]),
@@ -517,12 +584,12 @@ TAMPERED = [
     ),
     pytest.param(
         FLAT, lambda d: d.pop("owners"),
-        "Plan.from_dict: expected keys ['align', 'groups', 'owners', 'strategy', 'tensors', "
-        "'version', 'world_size'], missing ['owners'], unexpected []",
+        "Plan.from_dict: expected keys ['align', 'bucket_numel', 'groups', 'owners', 'strategy', "
+        "'tensors', 'version', 'world_size'], missing ['owners'], unexpected []",
         id="missing_key",
     ),
     pytest.param(
-        FLAT, _edit("version", to=lambda _: 2), "Plan.from_dict: expected version 1, got 2",
+        FLAT, _edit("version", to=lambda _: 3), "Plan.from_dict: expected version 2, got 3",
         id="future_version",
     ),
     pytest.param(
@@ -543,7 +610,7 @@ TAMPERED = [
     ),
     pytest.param(
         FLAT, _edit("tensors", 3, "shape", to=lambda _: []),
-        "Plan: groups[0].shard_numel breaks the flat layout rule: expected 6, got 8",
+        "Plan: groups[0].buckets breaks the flat layout rule at index 0",
         id="shape_changed",
     ),
     pytest.param(
@@ -575,7 +642,7 @@ def test_from_dict_rejects_a_plan_that_breaks_the_layout_rules(which, edit, mess
         Plan.from_dict(data)
 
 
-FINGERPRINT = 960039663815788516
+FINGERPRINT = 6733275919817576465
 
 
 def test_fingerprint_is_a_fixed_63_bit_value_that_tracks_the_content():
@@ -612,4 +679,4 @@ def test_plan_is_frozen_and_its_public_names_are_exported_by_shardopt_core():
     for name in _plan.__all__:
         assert getattr(shardopt.core, name) is getattr(_plan, name)
     assert Strategy("flat") is Strategy.FLAT
-    assert FlatGroup("float", "cpu", [0], [0], 1, 1).dtype == "float32"
+    assert FlatGroup("float", "cpu", [0], [0], [Bucket(0, [1])], 1).dtype == "float32"

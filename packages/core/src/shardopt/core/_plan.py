@@ -93,7 +93,11 @@ class Plan:
         for g, group in enumerate(self.groups):
             stops = [b.stop for b in group.buckets]
             for t, offset in zip(group.tensors, group.offsets):
-                where[t] = (g, bisect_right(stops, offset), offset)
+                b = bisect_right(stops, offset)
+                # an empty tensor on a bucket boundary belongs to the bucket that ends there
+                if b == len(stops) or (self.tensors[t].numel == 0 and b and stops[b - 1] == offset):
+                    b -= 1
+                where[t] = (g, b, offset)
         object.__setattr__(self, "_where", tuple(where))
 
     def _check_fields(self) -> None:

@@ -26,6 +26,7 @@ __all__ = [
 
 _REPR = reprlib.Repr()
 _REPR.maxtuple = _REPR.maxlist = 8
+_REPR.maxother = 80  # records such as Bucket(start=..., shards=(...)) whole
 
 
 class Strategy(str, Enum):
