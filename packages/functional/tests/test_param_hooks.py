@@ -5,8 +5,9 @@ takes a snapshot of what the collective sends (the bucket, this rank's shard in 
 and does the real, synchronous gather of that snapshot into the buffer only when its Pending is
 waited on. Any path that read the parameters without waiting would then see the other ranks'
 shards still at their values before the step, and any path that wrote this rank's shard before
-waiting (the next update) would have its writes overwritten by the late delivery. Every rank waits in the same order (the same API calls, the
-forward pre-hooks of the same modules), so the delayed collectives still match across ranks.
+waiting (the next update) would have its writes overwritten by the late delivery. Every rank
+waits in the same order (the same API calls, the forward pre-hooks of the same modules), so the
+delayed collectives still match across ranks.
 """
 
 from __future__ import annotations

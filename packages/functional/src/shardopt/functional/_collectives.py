@@ -258,23 +258,13 @@ def reduce_scatter_bucket(
         if bucket.uniform and algo is Algorithm.COLLECTIVE:
             work = reduce_scatter_into(mine, staging, group=group, async_op=async_op)
         else:
-            work = [
-                dist.reduce(
-                    staging[bucket.shard_start(r) - bucket.start :][:n],
-                    group_dst=r,
-                    op=dist.ReduceOp.SUM,
-                    group=group,
-                    async_op=async_op,
-                )
-                for r, n in enumerate(bucket.shards)
-                if n
-            ]
+            work = _reduce_to_owners(staging, bucket, group, async_op)
 
     def finish() -> None:
-        if world > 1:
-            mine.div_(world)
         if accumulate:
-            output.add_(mine)
+            output.add_(mine.div_(world) if world > 1 else mine)
+        elif world > 1:
+            torch.div(mine, world, out=output)  # one pass: divide and store
         else:
             output.copy_(mine)
 
@@ -282,6 +272,23 @@ def reduce_scatter_bucket(
     if not async_op:
         pending.wait()
     return pending
+
+
+def _reduce_to_owners(
+    staging: torch.Tensor, bucket: Bucket, group: ProcessGroup, async_op: bool
+) -> list[Any]:
+    """One in-place ``reduce`` of each rank's shard of the packed ``staging`` to that rank."""
+    return [
+        dist.reduce(
+            staging[bucket.shard_start(r) - bucket.start :][:n],
+            group_dst=r,
+            op=dist.ReduceOp.SUM,
+            group=group,
+            async_op=async_op,
+        )
+        for r, n in enumerate(bucket.shards)
+        if n
+    ]
 
 
 def _check_bucket(api: str, buffer: torch.Tensor, bucket: Bucket, world: int) -> None:

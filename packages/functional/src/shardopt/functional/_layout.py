@@ -84,18 +84,23 @@ class FlatLayout:
         algorithm: Algorithm | str = Algorithm.AUTO,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        if len(buffers) != len(plan.groups):
-            raise ValueError(f"FlatLayout: expected {len(plan.groups)} buffers, got {len(buffers)}")
-        for g, (buf, grp) in enumerate(zip(buffers, plan.groups)):
-            if buf.dim() != 1 or buf.numel() != grp.numel:
-                raise ValueError(
-                    f"FlatLayout: expected buffers[{g}] 1-D of {grp.numel} elements, "
-                    f"got shape {tuple(buf.shape)}"
-                )
+        _check_buffers(plan, buffers)
         self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
         self.group, self.algorithm = group, Algorithm(algorithm)
         self.reduce_dtype = reduce_dtype
         self.pieces = plan.pieces(rank)
+        self._map_buckets()
+        self.grad_shards: tuple[torch.Tensor | None, ...] = (None,) * len(plan.groups)
+        self._staging: list[torch.Tensor | None] = [None] * len(plan.groups)
+        self._slot = [0] * len(plan.groups)
+        self._grads = PendingQueue()
+        self._params: dict[BucketKey, Pending] = {}
+        self._param_views: list[torch.Tensor] | None = None
+        self.deferred = 0  # registered param hooks: step leaves its gathers in flight
+
+    def _map_buckets(self) -> None:
+        """The per-bucket tables every collective and update reads (derived from the plan)."""
+        plan, rank = self.plan, self.rank
         self.keys: tuple[BucketKey, ...] = tuple(
             (g, b) for g, grp in enumerate(plan.groups) for b in range(len(grp.buckets))
         )
@@ -112,18 +117,14 @@ class FlatLayout:
             )
             for key, tensors in self.bucket_tensors.items()
         }
+        self.gaps = {
+            key: _gaps(packing, self.bucket(key).numel) for key, packing in self.packing.items()
+        }
         self.shard_offsets = {
             (g, b): sum(x.shards[rank] for x in grp.buckets[:b])
             for g, grp in enumerate(plan.groups)
             for b in range(len(grp.buckets))
         }
-        self.grad_shards: tuple[torch.Tensor | None, ...] = (None,) * len(plan.groups)
-        self._staging: list[torch.Tensor | None] = [None] * len(plan.groups)
-        self._slot = [0] * len(plan.groups)
-        self._grads = PendingQueue()
-        self._params: dict[BucketKey, Pending] = {}
-        self._param_views: list[torch.Tensor] | None = None
-        self.deferred = 0  # registered param hooks: step leaves its gathers in flight
 
     def _piece_ranges(self) -> dict[BucketKey, tuple[int, int]]:
         """The pieces ``[lo, hi)`` of each bucket (pieces are in bucket order)."""
@@ -279,13 +280,13 @@ class FlatLayout:
         self._slot[g] = (slot + 1) % staging_all.shape[0]
         self._grads.release((g, slot))  # the slot's previous reduction must be done
         staging = staging_all[slot, : bucket.numel]
-        packing = self.packing[key]
-        grads = [grad_of(t) for t, _, _ in packing]
-        packed = sum(n for (_, _, n), x in zip(packing, grads) if x is not None)
-        if packed < bucket.numel:
-            staging.zero_()
-        for (_, lo, n), grad in zip(packing, grads):
-            if grad is not None:
+        for lo, hi in self.gaps[key]:  # padding: zeros (touched only here, not the whole slot)
+            staging[lo:hi].zero_()
+        for t, lo, n in self.packing[key]:
+            grad = grad_of(t)
+            if grad is None:
+                staging[lo : lo + n].zero_()
+            else:
                 staging[lo : lo + n].copy_(grad.reshape(-1))
         pending = reduce_scatter_bucket(
             staging,
@@ -301,6 +302,29 @@ class FlatLayout:
     def finish_grad_sync(self) -> None:
         """Waits for every gradient sync in flight (their shards are then complete)."""
         self._grads.wait_all()
+
+
+def _gaps(packing: Sequence[tuple[int, int, int]], numel: int) -> tuple[tuple[int, int], ...]:
+    """The ranges of ``[0, numel)`` that no packed tensor covers (padding)."""
+    out, end = [], 0
+    for _, lo, n in sorted(packing, key=lambda x: x[1]):
+        if lo > end:
+            out.append((end, lo))
+        end = max(end, lo + n)
+    if end < numel:
+        out.append((end, numel))
+    return tuple(out)
+
+
+def _check_buffers(plan: Plan, buffers: Sequence[torch.Tensor]) -> None:
+    if len(buffers) != len(plan.groups):
+        raise ValueError(f"FlatLayout: expected {len(plan.groups)} buffers, got {len(buffers)}")
+    for g, (buf, grp) in enumerate(zip(buffers, plan.groups)):
+        if buf.dim() != 1 or buf.numel() != grp.numel:
+            raise ValueError(
+                f"FlatLayout: expected buffers[{g}] 1-D of {grp.numel} elements, "
+                f"got shape {tuple(buf.shape)}"
+            )
 
 
 def build_layout(
