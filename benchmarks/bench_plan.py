@@ -90,20 +90,33 @@ def bench_case(groups: list[list[torch.Tensor]], world_size: int, strategy: str,
     }
 
 
+def allgather_send_bytes(plan: Plan) -> int:
+    """Bytes each rank sends in one parameter all-gather: a ring all-gather of every bucket
+    sends ``(W - 1) / W`` of the bucket's buffer (padding included) per rank."""
+    w = plan.world_size
+    return sum(
+        (w - 1) * b.numel * torch.empty(0, dtype=getattr(torch, g.dtype)).element_size() // w
+        for g in plan.groups
+        for b in g.buckets
+    )
+
+
 def gpt2_figures() -> list[dict[str, Any]]:
-    """Imbalance and all-gather bytes of GPT-2 small at a few world sizes, both strategies."""
+    """Imbalance, buckets and all-gather bytes of GPT-2 small at a few world sizes, both
+    strategies, with plan_partition's default bucket_numel."""
     params, rows = gpt2_small(), []
     for world_size in (8, 64):
         for strategy in ("flat", "greedy"):
             plan = plan_partition(params, world_size, strategy=strategy)
-            cost = plan.sync_cost()
             rows.append(
                 {
                     "world_size": world_size,
                     "strategy": strategy,
+                    "bucket_numel": plan.bucket_numel,
+                    "buckets": sum(len(g.buckets) for g in plan.groups),
                     "imbalance": plan.imbalance(),
                     "max_rank_MB": max(plan.bytes_per_rank()) / 1e6,
-                    "allgather_send_MB_per_rank": cost.send_bytes_per_rank / 1e6,
+                    "allgather_send_MB_per_rank": allgather_send_bytes(plan) / 1e6,
                 }
             )
     return rows
@@ -134,7 +147,7 @@ def main() -> None:
     for g in gpt2:
         print(
             f"  W={g['world_size']:<3} {g['strategy']:>6}: imbalance {g['imbalance']:.4f}, "
-            f"largest rank {g['max_rank_MB']:.1f} MB, "
+            f"{g['buckets']} buckets, largest rank {g['max_rank_MB']:.1f} MB, "
             f"all-gather send {g['allgather_send_MB_per_rank']:.1f} MB/rank"
         )
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -10,29 +10,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardopt.core import adamw, plan_partition
-from shardopt.functional import DEFAULT_BUCKET_NUMEL, register_grad_hooks, shard
+from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition
+from shardopt.functional import RankBytes, Traffic, register_grad_hooks, shard
 from shardopt.testing import spawn
 from shardopt.testing._cli import main
 from shardopt.testing._cli_measure import count_collectives, measure_ddp, measure_sharded
 from shardopt.testing._cli_models import PRESETS
-from shardopt.testing._plan_cli_cost import RankBytes, Setup, Traffic, predict
+from shardopt.testing._plan_cli_predict import Setup, predict
 from shardopt.testing._plan_cli_source import load_params, params_of
 
-# (setup, strategy, master dtype, bucket_numel, algorithm): every kind of group, chunking,
-# staging and collective. bucket_numel counts all ranks: 8 and 16 chunk the greedy groups at
-# every W and the flat ones (chunks of one align, 16 per rank) at W = 2 and 3, and leave one
-# chunk (one staging buffer in stage 2) where the whole buffer is one align per rank.
+# (setup, strategy, master dtype, bucket_numel, algorithm, grads_averaged): every kind of group,
+# bucket, staging and collective. bucket_numel counts all ranks: 8 and 16 cut every group into
+# several buckets (greedy ones with unequal shards), None makes one bucket per group.
 CONFIGS = [
-    (Setup.DDP, "flat", None, None, "collective"),
-    (Setup.STAGE1, "flat", None, None, "collective"),
-    (Setup.STAGE1, "greedy", None, 8, "collective"),
-    (Setup.STAGE1, "flat", torch.float32, 16, "rooted"),
-    (Setup.STAGE1, "greedy", None, 8, "rooted"),
-    (Setup.STAGE2, "flat", None, 16, "collective"),
-    (Setup.STAGE2, "greedy", None, None, "rooted"),
-    (Setup.STAGE2, "flat", torch.float32, 8, "collective"),
-    (Setup.STAGE2, "flat", None, 8, "rooted"),
+    (Setup.DDP, "flat", None, None, "collective", True),
+    (Setup.STAGE1, "flat", None, None, "collective", True),
+    (Setup.STAGE1, "greedy", None, 8, "collective", True),
+    (Setup.STAGE1, "flat", torch.float32, 16, "rooted", False),
+    (Setup.STAGE1, "greedy", None, 8, "rooted", False),
+    (Setup.STAGE1, "flat", None, 8, "collective", False),
+    (Setup.STAGE2, "flat", None, 16, "collective", False),
+    (Setup.STAGE2, "greedy", None, None, "rooted", False),
+    (Setup.STAGE2, "greedy", None, 8, "collective", False),
+    (Setup.STAGE2, "flat", torch.float32, 8, "collective", False),
+    (Setup.STAGE2, "flat", None, 8, "rooted", False),
 ]
 
 
@@ -59,7 +60,7 @@ def backward(model: nn.Module, rank: int) -> None:
 
 def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankBytes, Traffic, list]:
     """Two steps of ``config``; the bytes held after them and the collectives of the second."""
-    setup, strategy, master, bucket, algorithm = config
+    setup, strategy, master, bucket, algorithm, averaged = config
     torch.manual_seed(0)
     model = MixedNet()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -74,24 +75,24 @@ def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankByte
                     p.grad.div_(world)
             opt.step()
         return measure_ddp(model.parameters(), opt), log.traffic(), log.others()
-    plan = plan_partition(params, world, strategy=strategy)
+    plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
     sharded = shard(
         adamw(),
         plan,
         stage=setup.value,
+        grads_averaged=averaged,
         master_dtype=master,
-        bucket_numel=bucket,
         algorithm=algorithm,
     )
     state = sharded.init(params)
-    if setup is Setup.STAGE2:
+    if not averaged:
         register_grad_hooks(params, state)
     for _ in range(2):
         for p in params:
             p.grad = None
         with count_collectives() as log:
             backward(model, rank)
-            if setup is Setup.STAGE1:
+            if averaged:  # what DDP does before a stage 1 step that is told so
                 for p in params:
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)
@@ -107,7 +108,7 @@ def run_all(rank: int, world: int) -> list[tuple[RankBytes, Traffic, list]]:
 def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
     results = spawn(run_all, world, backend="gloo", timeout=120.0)
     params = params_of(MixedNet())
-    for (setup, strategy, master, bucket, algorithm), *per_rank in zip(CONFIGS, *results):
+    for (setup, strategy, master, bucket, algorithm, averaged), *per_rank in zip(CONFIGS, *results):
         p = predict(
             params,
             world,
@@ -116,9 +117,10 @@ def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
             master_dtype=master,
             bucket_numel=bucket,
             algorithm=algorithm,
+            grads_averaged=averaged and setup is not Setup.DDP,
         )
         for rank, (held, traffic, others) in enumerate(per_rank):
-            where = f"{p.label} master={master} bucket={bucket} {algorithm} rank {rank}"
+            where = f"{p.label} master={master} bucket={bucket} {algorithm} {averaged} rank {rank}"
             assert held == p.ranks[rank], where
             assert traffic == p.traffic, where
             assert others == [], where
@@ -134,12 +136,14 @@ def test_stage2_saves_gradients_and_state_but_not_traffic_against_ddp():
 
 @pytest.mark.parametrize("setup", [Setup.STAGE1, Setup.STAGE2])
 def test_staging_is_bounded_by_the_bucket_at_every_world_size(setup):
-    """gpt2-xl's float32 staging: two buffers of at most DEFAULT_BUCKET_NUMEL elements, from 8 to
-    1024 ranks (with a per-rank bucket, stage 2 held twice the full gradients at W = 1024)."""
+    """gpt2-xl's float32 staging, from 8 to 1024 ranks: two buffers of one bucket each. A
+    bucket closes once it holds bucket_numel elements, so it has fewer than 2 * bucket_numel
+    (plus the flat padding); the embedding, larger than that, is staged on its own, transiently
+    (with a per-rank bucket, stage 2 held twice the full gradients at W = 1024)."""
     params = load_params("gpt2-xl")
-    bound = 2 * DEFAULT_BUCKET_NUMEL * 4
     for w in (8, 64, 1024):
         p = predict(params, w, setup, bucket_numel=DEFAULT_BUCKET_NUMEL)
+        bound = 2 * (2 * DEFAULT_BUCKET_NUMEL + w * 16) * 4
         assert 0 < p.max_rank().buffers <= bound, w
 
 

@@ -7,6 +7,7 @@ from shardopt.functional._collectives import (
     all_gather_bucket,
     reduce_scatter_bucket,
 )
+from shardopt.functional._cost import RankBytes, Traffic, layout_cost
 from shardopt.functional._dcp import load_checkpoint, save_checkpoint
 from shardopt.functional._hooks import (
     GradHooks,
@@ -37,16 +38,19 @@ __all__ = [
     "GradHooks",
     "ParamHooks",
     "Pending",
+    "RankBytes",
     "ShardOptions",
     "ShardedState",
     "ShardedTransformation",
     "Stage",
     "StateField",
     "StepStats",
+    "Traffic",
     "all_gather_bucket",
     "average_params",
     "averaging_due",
     "consolidate_state_dict",
+    "layout_cost",
     "load_checkpoint",
     "load_sharded_state_dict",
     "load_torch_state_dict",

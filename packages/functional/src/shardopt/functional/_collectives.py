@@ -20,8 +20,10 @@ __all__ = [
     "all_gather_into",
     "all_gather_rows",
     "all_reduce_sum",
+    "bucket_calls",
     "comm_device",
     "reduce_scatter_bucket",
+    "one_call",
     "reduce_scatter_into",
     "resolve_algorithm",
 ]
@@ -165,6 +167,25 @@ def all_gather_rows(row: torch.Tensor, *, group: ProcessGroup = None) -> torch.T
     return out
 
 
+def one_call(bucket: Bucket, algorithm: Algorithm) -> bool:
+    """Whether a bucket moves in one all-gather / reduce-scatter (COLLECTIVE, equal shards)
+    rather than one broadcast / reduce per owner (see [Note: collective algorithms])."""
+    return bucket.uniform and algorithm is Algorithm.COLLECTIVE
+
+
+def bucket_calls(bucket: Bucket, algorithm: Algorithm) -> int:
+    """The calls of one gather or one reduction of ``bucket`` under the concrete ``algorithm``
+    (in a world of more than one rank).
+
+    Example:
+        >>> bucket_calls(Bucket(0, (4, 0, 2)), Algorithm.COLLECTIVE)
+        2
+    """
+    if bucket.numel == 0:
+        return 0
+    return 1 if one_call(bucket, algorithm) else sum(1 for n in bucket.shards if n)
+
+
 def all_gather_bucket(
     buffer: torch.Tensor,
     bucket: Bucket,
@@ -195,8 +216,7 @@ def all_gather_bucket(
     _check_bucket("all_gather_bucket", buffer, bucket, world)
     if world == 1 or bucket.numel == 0:
         return Pending(None)
-    algo = resolve_algorithm(algorithm, group, buffer.device)
-    if bucket.uniform and algo is Algorithm.COLLECTIVE:
+    if one_call(bucket, resolve_algorithm(algorithm, group, buffer.device)):
         mine = buffer[bucket.shard_start(rank) : bucket.shard_start(rank) + bucket.shards[rank]]
         region = buffer[bucket.start : bucket.stop]
         return Pending(all_gather_into(region, mine, group=group, async_op=async_op))
@@ -254,8 +274,7 @@ def reduce_scatter_bucket(
     mine = staging[lo : lo + bucket.shards[rank]]
     work: Any = None
     if world > 1 and bucket.numel:
-        algo = resolve_algorithm(algorithm, group, staging.device)
-        if bucket.uniform and algo is Algorithm.COLLECTIVE:
+        if one_call(bucket, resolve_algorithm(algorithm, group, staging.device)):
             work = reduce_scatter_into(mine, staging, group=group, async_op=async_op)
         else:
             work = _reduce_to_owners(staging, bucket, group, async_op)

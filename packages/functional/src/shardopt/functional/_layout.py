@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -36,8 +36,16 @@ BucketKey = tuple[int, int]  # (plan group, bucket in the group)
 #   adjacent, so their local gradients are packed end to end into a staging buffer of the
 #   bucket's size (zeros for padding and for missing gradients), reduce-scattered in place, and
 #   the rank's shard of the sum, divided by W, lands in its gradient shard (copied, or added to
-#   accumulate). A group has two staging buffers used in turn, so packing one bucket overlaps the
-#   reduction of the previous; they hold at most two of the group's largest buckets, whatever W.
+#   accumulate). See [Note: gradient staging].
+#
+# [Note: gradient staging]
+# A group has two persistent staging buffers used in turn, so packing one bucket overlaps the
+# reduction of the previous; each holds the group's largest bucket, so together they are at most
+# about 2 * 2 * bucket_numel elements, whatever W. A tensor larger than ``bucket_numel`` (an
+# embedding) is a bucket of its own; sizing the persistent buffers for it would keep twice its
+# gradient alive between steps, so it is packed into a buffer of its own that lives only until
+# its reduction completes (in stage 2 its full gradient is freed as soon as it is packed, so the
+# moment's peak is one such gradient more).
 #
 # Collectives must be entered in the same order on every rank. Parameter syncs run in bucket
 # order (the next forward needs the first buckets first); gradient syncs in reverse bucket order
@@ -120,6 +128,7 @@ class FlatLayout:
         self.gaps = {
             key: _gaps(packing, self.bucket(key).numel) for key, packing in self.packing.items()
         }
+        self.oversized = tuple(oversized(plan, g) for g in range(len(plan.groups)))
         self.shard_offsets = {
             (g, b): sum(x.shards[rank] for x in grp.buckets[:b])
             for g, grp in enumerate(plan.groups)
@@ -256,30 +265,38 @@ class FlatLayout:
             )
         return self.grad_shards  # type: ignore[return-value]
 
-    def _staging_for(self, g: int) -> torch.Tensor:
+    @property
+    def staging(self) -> tuple[torch.Tensor, ...]:
+        """The gradient staging buffers allocated so far (see :func:`staging_numel`)."""
+        return tuple(s for s in self._staging if s is not None)
+
+    def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, Hashable]:
+        """A staging buffer for bucket ``key``'s gradients and its tag in the queue."""
+        g, bucket = key[0], self.bucket(key)
+        dtype = self.reduce_dtype or self.buffers[g].dtype
+        device = self.buffers[g].device
+        if key[1] in self.oversized[g]:
+            return torch.empty(bucket.numel, dtype=dtype, device=device), key
         buf = self._staging[g]
         if buf is None:
-            buckets = self.plan.groups[g].buckets
-            slots = 2 if len(buckets) > 1 else 1
-            dtype = self.reduce_dtype or self.buffers[g].dtype
+            regular = len(self.plan.groups[g].buckets) - len(self.oversized[g])
+            slots = 2 if regular > 1 else 1
             shape = (slots, staging_numel(self.plan, g) // slots)
-            buf = torch.empty(shape, dtype=dtype, device=self.buffers[g].device)
+            buf = torch.empty(shape, dtype=dtype, device=device)
             self._staging[g] = buf
-        return buf
+        slot = self._slot[g]
+        self._slot[g] = (slot + 1) % buf.shape[0]
+        self._grads.release((g, slot))  # the slot's previous reduction must be done
+        return buf[slot, : bucket.numel], (g, slot)
 
     def start_grad_sync(
         self, key: BucketKey, grad_of: Callable[[int], torch.Tensor | None], *, accumulate: bool
     ) -> None:
         """Packs bucket ``key``'s local gradients and launches their reduce-scatter into this
         rank's gradient shard (added to it with ``accumulate``). See [Note: engine]."""
-        g = key[0]
         shards = self.ensure_grad_shards()
         bucket = self.bucket(key)
-        staging_all = self._staging_for(g)
-        slot = self._slot[g]
-        self._slot[g] = (slot + 1) % staging_all.shape[0]
-        self._grads.release((g, slot))  # the slot's previous reduction must be done
-        staging = staging_all[slot, : bucket.numel]
+        staging, tag = self._staging_for(key)
         for lo, hi in self.gaps[key]:  # padding: zeros (touched only here, not the whole slot)
             staging[lo:hi].zero_()
         for t, lo, n in self.packing[key]:
@@ -297,7 +314,7 @@ class FlatLayout:
             async_op=True,
             algorithm=self.algorithm,
         )
-        self._grads.push((g, slot), pending)
+        self._grads.push(tag, pending)
 
     def finish_grad_sync(self) -> None:
         """Waits for every gradient sync in flight (their shards are then complete)."""
@@ -364,8 +381,25 @@ def build_layout(
     )
 
 
+def oversized(plan: Plan, g: int) -> frozenset[int]:
+    """The buckets of group ``g`` that are one tensor of ``plan.bucket_numel`` elements or more
+    (their gradients go through a staging buffer of their own: [Note: gradient staging])."""
+    if plan.bucket_numel is None:
+        return frozenset()
+    count: dict[int, int] = {}
+    big: set[int] = set()
+    for t in plan.groups[g].tensors:
+        _, b, _ = plan.locate(t)
+        count[b] = count.get(b, 0) + 1
+        if plan.tensors[t].numel >= plan.bucket_numel:
+            big.add(b)
+    return frozenset(b for b in big if count[b] == 1)
+
+
 def staging_numel(plan: Plan, g: int) -> int:
-    """Elements of group ``g``'s gradient staging: two (one if single) of its largest buckets."""
-    buckets = plan.groups[g].buckets
+    """Elements of group ``g``'s persistent gradient staging: two (one if the group has a single
+    bucket) of its largest buckets that are not :func:`oversized`."""
+    skip = oversized(plan, g)
+    buckets = [x for b, x in enumerate(plan.groups[g].buckets) if b not in skip]
     largest = max((b.numel for b in buckets), default=0)
     return largest * (2 if len(buckets) > 1 else 1)

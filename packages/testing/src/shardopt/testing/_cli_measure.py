@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from shardopt.functional import RankBytes
 from shardopt.testing._collectives_count import CollectiveLog, count_collectives
-from shardopt.testing._plan_cli_cost import RankBytes
 
 __all__ = [
     "CollectiveLog",
@@ -53,11 +53,11 @@ def measure_sharded(params: Iterable[torch.Tensor], state: Any) -> RankBytes:
 
     The optimizer state is every tensor of ``state.inner`` and of its flat field buffers (a
     rank holds them even for groups where it owns nothing); gradients are the ``.grad``
-    tensors plus stage 2's gradient shards; buffers are the collectives' staging buffers.
+    tensors plus the gradient shards where gradients are reduced; buffers are the gradient
+    staging buffers.
     """
     params = list(params)
-    reducer = state.reducer
-    shards = [] if reducer is None else list(reducer.shards)
+    shards = [s for s in state.layout.grad_shards if s is not None]
     return RankBytes(
         params=storage_bytes(params),
         grads=storage_bytes([p.grad for p in params]) + storage_bytes(shards),

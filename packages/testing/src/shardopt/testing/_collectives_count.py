@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shardopt.testing._plan_cli_cost import Traffic
+from shardopt.functional import Traffic
 
 __all__ = ["CollectiveCall", "CollectiveLog", "count_collectives"]
 

@@ -10,16 +10,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from shardopt.core import adamw, plan_partition
-from shardopt.functional import ShardedState, register_grad_hooks, shard
+from shardopt.functional import (
+    RankBytes,
+    ShardedState,
+    register_grad_hooks,
+    register_param_hooks,
+    shard,
+)
 from shardopt.testing._cli_measure import measure_ddp, measure_sharded, storage_bytes
 from shardopt.testing._cli_models import GPT, GPTConfig
 from shardopt.testing._cli_torch import zero_redundancy_optimizer
 from shardopt.testing._demo_data import VOCAB, decode, encode, read_corpus, sample_batch, stdlib_dir
 from shardopt.testing._demo_report import DemoReport, format_report, write_png
-from shardopt.testing._plan_cli_cost import RankBytes
 
 __all__ = ["DemoConfig", "train_rank"]
 
@@ -52,9 +56,10 @@ class DemoConfig:
     weight_decay: float = 0.01
     corpus_bytes: int = 300_000
     sample_chars: int = 120
-    # Elements of one collective, all ranks together: with the default model (110K parameters)
-    # 14 chunks, pipelined with the update, and 64 KiB of staging per rank at any world size
-    # (the default bucket would hold the whole model: stage 2 staging as large as its gradients).
+    # Elements of one bucket, all ranks together: the default model (110K parameters) makes
+    # about a dozen buckets, so their reduce-scatters overlap backward and their all-gathers the
+    # next forward, with 64 KiB of gradient staging per rank at any world size (the default
+    # bucket would hold the whole model: staging as large as its gradients).
     bucket_numel: int | None = 8192
     seed: int = 0
     device: str = "cpu"
@@ -116,14 +121,12 @@ def _train(
     device = next(model.parameters()).device
     params = list(model.parameters())
     tx = adamw(config.lr, weight_decay=config.weight_decay)
-    plan = plan_partition(params, world)
-    sharded = shard(tx, plan, stage=config.stage, bucket_numel=config.bucket_numel)
+    plan = plan_partition(params, world, bucket_numel=config.bucket_numel)
+    sharded = shard(tx, plan, stage=config.stage)
     state = sharded.init(params)
-    hooks = register_grad_hooks(params, state) if config.stage == 2 else None
-    ids = [device.index] if device.type == "cuda" else None
+    grad_hooks = register_grad_hooks(params, state)  # reduce-scatter during backward
+    param_hooks = register_param_hooks(model, state)  # all-gather during the next forward
     net = model
-    if config.stage == 1:
-        net = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     losses, times = [], []
     bar = tqdm(
         range(config.steps),
@@ -147,8 +150,8 @@ def _train(
         losses.append(mean.item() / world)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{1000 * times[-1]:.1f}", refresh=False)
     bar.close()
-    if hooks is not None:
-        hooks.remove()
+    grad_hooks.remove()
+    param_hooks.remove()  # waits for the last gathers
     return losses, times, state
 
 

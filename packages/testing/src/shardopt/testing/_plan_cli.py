@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from shardopt.functional import DEFAULT_BUCKET_NUMEL
-from shardopt.testing._plan_cli_cost import ParamSpec, Prediction, Setup, predict
+from shardopt.core import DEFAULT_BUCKET_NUMEL
+from shardopt.testing._plan_cli_predict import ParamSpec, Prediction, Setup, predict
 from shardopt.testing._plan_cli_source import load_params
 
 __all__ = ["add_plan_parser", "format_bytes", "plan_report", "render_table", "run_plan"]
@@ -22,17 +22,19 @@ _ASSUMPTIONS = (
     "optimizer: Adam/AdamW, 2 moments + a float32 step per tensor; frozen params: replicated",
     "bytes: tensors each rank holds between steps, max over ranks (activations not counted)",
     "DDP: torch.optim.AdamW, gradient_as_bucket_view=True (no second gradient copy)",
-    "stage 1: DDP all-reduce of the gradients + all-gather of the flat parameter buffers",
-    "stage 2: reduce-scatter of the flat gradient buffers + all-gather of the parameters",
+    "stage 1: local gradients kept, reduce-scatter into 1/W shards + all-gather of the buckets",
+    "stage 2: as stage 1, full gradients freed as they are packed (1/W gradient memory)",
+    "from shardopt.functional.layout_cost, the engine's own rules (buckets, shards, staging)",
     "shardopt's calls: {calls}",
     "sent = received per rank per step, ring algorithms: all-reduce 2(W-1)/W of the buffer, "
     "reduce-scatter and all-gather (W-1)/W",
 )
 _CALLS = {
-    "collective": "one all-gather / reduce-scatter per group, or per chunk of --bucket-numel "
-    "elements (all ranks together) (--algorithm collective)",
-    "rooted": "one broadcast / reduce per rank and chunk (--algorithm rooted: shard()'s choice for "
-    "CPU tensors on gloo)",
+    "collective": "one all-gather / reduce-scatter per bucket of --bucket-numel elements (all "
+    "ranks together); one broadcast / reduce per owner where shards are unequal (greedy) "
+    "(--algorithm collective)",
+    "rooted": "one broadcast / reduce per owner and bucket (--algorithm rooted: shard()'s choice "
+    "for CPU tensors on gloo)",
 }
 _COLUMNS = ("params", "grads", "optimizer", "master", "buffers", "total")
 
@@ -245,8 +247,8 @@ def _add_dtype_options(p: argparse.ArgumentParser) -> None:
         "--bucket-numel",
         type=int,
         default=DEFAULT_BUCKET_NUMEL,
-        help="elements of one collective, all ranks together (bounds the staging buffers), as "
-        f"shard()'s; 0: one per group (default: {DEFAULT_BUCKET_NUMEL})",
+        help="elements of one bucket, all ranks together (bounds the staging buffers), as "
+        f"plan_partition's; 0: one per group (default: {DEFAULT_BUCKET_NUMEL})",
     )
     p.add_argument(
         "--algorithm",

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardopt.core import TensorSpec
 from shardopt.testing._cli_models import PRESETS
-from shardopt.testing._plan_cli_cost import ParamSpec
+from shardopt.testing._plan_cli_predict import ParamSpec
 
 __all__ = ["load_params", "params_of"]
 

@@ -1,0 +1,138 @@
+"""The predictions of ``shardopt plan``: DDP's, and shardopt's from the engine's own cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardopt.core import TensorSpec, plan_partition
+from shardopt.functional import RankBytes, Traffic, layout_cost
+
+__all__ = ["ParamSpec", "Prediction", "Setup", "predict"]
+
+# [Note: what plan predicts]
+# shardopt's rows come from ``shardopt.functional.layout_cost`` over the plan that
+# ``plan_partition`` makes of the trainable parameters (see [Note: cost of a layout] there); the
+# frozen ones are held whole by every rank and have no gradient and no state. DDP's row is
+# DDP + torch.optim.AdamW: every rank holds everything (DDP with ``gradient_as_bucket_view=True``:
+# its buckets are the gradients) and all-reduces every gradient. Transients (activations, a
+# gradient alive between its computation and its reduction) are not counted: they depend on
+# the model's forward, not on the partition.
+
+
+class Setup(enum.Enum):
+    """What holds the optimizer: DDP with torch.optim (stage 0), or shardopt stage 1 or 2."""
+
+    DDP = 0
+    STAGE1 = 1
+    STAGE2 = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """A parameter by name, shape and dtype, trainable or frozen."""
+
+    name: str
+    spec: TensorSpec
+    trainable: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, TensorSpec):
+            raise TypeError(f"ParamSpec: expected a TensorSpec, got {self.spec!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Per-rank bytes and per-step traffic of one setup at one world size."""
+
+    setup: Setup
+    strategy: str | None
+    world_size: int
+    ranks: tuple[RankBytes, ...]
+    traffic: Traffic
+    imbalance: float
+
+    @property
+    def label(self) -> str:
+        """``"DDP"`` or e.g. ``"stage 1 flat"``."""
+        if self.setup is Setup.DDP:
+            return "DDP"
+        return f"stage {self.setup.value} {self.strategy}"
+
+    def max_rank(self) -> RankBytes:
+        """Each field's maximum over the ranks."""
+        fields = ("params", "grads", "optimizer", "master", "buffers")
+        return RankBytes(*(max(getattr(r, f) for r in self.ranks) for f in fields))
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+def _predict_ddp(
+    params: Sequence[ParamSpec], world_size: int, master: torch.dtype | None
+) -> Prediction:
+    trainable = [p.spec for p in params if p.trainable]
+    grads = sum(s.nbytes for s in trainable)
+    state = master_bytes = 0
+    for s in trainable:
+        size = _itemsize(s.dtype)
+        m = master.itemsize if master is not None and master.itemsize > size else None
+        state += 2 * s.numel * (m or size) + 4
+        master_bytes += s.numel * (m or 0)
+    rank = RankBytes(sum(p.spec.nbytes for p in params), grads, state, master_bytes, 0)
+    return Prediction(
+        Setup.DDP, None, world_size, (rank,) * world_size, Traffic(grads, 0, 0, 0), 1.0
+    )
+
+
+def predict(
+    params: Sequence[ParamSpec],
+    world_size: int,
+    setup: Setup,
+    *,
+    strategy: str = "flat",
+    master_dtype: torch.dtype | None = None,
+    bucket_numel: int | None = None,
+    align: int | None = None,
+    algorithm: str = "collective",
+    grads_averaged: bool = False,
+) -> Prediction:
+    """The exact per-rank bytes and per-step traffic of ``setup`` (see [Note: what plan
+    predicts]).
+
+    ``strategy``, ``align`` and ``bucket_numel`` are ``plan_partition``'s (ignored for DDP);
+    ``master_dtype``, ``grads_averaged`` and ``algorithm`` (``"collective"`` or ``"rooted"``,
+    not ``"auto"``) ``shard``'s.
+
+    Example:
+        >>> params = [ParamSpec("w", TensorSpec((10, 10), "float32", "cpu"))]
+        >>> p = predict(params, 4, Setup.STAGE2)
+        >>> p.ranks[0], p.traffic.sent(4)
+        (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
+    """
+    if algorithm not in ("collective", "rooted"):
+        raise ValueError(f"plan: expected algorithm collective or rooted, got {algorithm!r}")
+    if not any(p.trainable for p in params):
+        raise ValueError("plan: expected at least one trainable parameter, got none")
+    if setup is Setup.DDP:
+        return _predict_ddp(params, world_size, master_dtype)
+    trainable = [p.spec for p in params if p.trainable]
+    plan = plan_partition(
+        trainable, world_size, strategy=strategy, align=align, bucket_numel=bucket_numel
+    )
+    ranks, traffic = layout_cost(
+        plan,
+        stage=setup.value,
+        grads_averaged=grads_averaged,
+        master_dtype=master_dtype,
+        algorithm=algorithm,
+        frozen_bytes=sum(p.spec.nbytes for p in params if not p.trainable),
+    )
+    if grads_averaged:  # DDP's all-reduce, before a stage 1 step that takes its gradients
+        traffic = dataclasses.replace(traffic, all_reduce=sum(s.nbytes for s in trainable))
+    return Prediction(setup, plan.strategy.value, world_size, ranks, traffic, plan.imbalance())
