@@ -23,11 +23,12 @@ SHAPES = [((7, 5), F32), ((5,), BF16), ((3, 4, 2), F64), ((13,), F32), ((6, 6), 
 def traffic(calls: list[CollectiveCall], rank: int, world: int) -> tuple[int, int, set[str]]:
     """(bytes this rank sends into gradient reductions, bytes it receives from parameter syncs,
     the names called), counted as the payload of the collective's semantics: a ring
-    reduce-scatter or all-gather moves (W-1)/W of its buffer per rank; a reduce to rank d takes
-    the block of every other rank, a broadcast from rank s gives its block to every other rank."""
+    reduce-scatter or all-gather moves (W-1)/W of its buffer per rank, and so does an all-to-all
+    of equal blocks; a reduce to rank d takes the block of every other rank, a broadcast from
+    rank s gives its block to every other rank."""
     sent = received = 0
     for c in calls:
-        if c.name == "reduce_scatter_single":
+        if c.name in ("reduce_scatter_single", "all_to_all_single"):
             sent += c.second * (world - 1) // world
         elif c.name == "all_gather_single":
             received += c.first * (world - 1) // world
@@ -50,17 +51,15 @@ def grads_of(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
 
 def expected_traffic(plan: Any, rank: int, algorithm: str) -> tuple[int, set[str]]:
     """(bytes of one sync of every bucket less this rank's own shard, the calls it needs): a
-    bucket is reduced or gathered by the collective calls only where its shards are equal
-    (greedy shards may not be), else by rooted ones."""
+    bucket is reduced and gathered by the algorithm's calls only where its shards are equal
+    (greedy shards may not be), else by a reduce and a broadcast per owner."""
     moved, names = 0, set()
     for g in plan.groups:
         size = getattr(torch, g.dtype).itemsize
         for bucket in g.buckets:
             moved += (bucket.numel - bucket.shards[rank]) * size
             if plan.world_size > 1 and bucket.numel:
-                names |= NAMES[
-                    "collective" if algorithm == "collective" and bucket.uniform else "rooted"
-                ]
+                names |= NAMES[algorithm if bucket.uniform else "unequal"]
     return moved, names
 
 
@@ -96,7 +95,8 @@ def step_traffic(
 
 NAMES = {
     "collective": {"reduce_scatter_single", "all_gather_single"},
-    "rooted": {"reduce", "broadcast"},
+    "exchange": {"all_to_all_single", "broadcast"},
+    "unequal": {"reduce", "broadcast"},
 }
 
 
@@ -104,12 +104,12 @@ NAMES = {
     ("world", "stage", "strategy", "hooked", "bucket", "algorithm"),
     [
         (2, 2, "flat", False, None, "collective"),
-        (3, 2, "greedy", False, 24, "collective"),  # unequal greedy shards: rooted calls too
+        (3, 2, "greedy", False, 24, "collective"),  # unequal greedy shards: per-owner calls too
         (4, 2, "flat", True, 64, "collective"),
-        (3, 2, "flat", True, None, "rooted"),
-        (4, 2, "greedy", False, 32, "rooted"),
+        (3, 2, "flat", True, None, "exchange"),
+        (4, 2, "greedy", False, 32, "exchange"),
         (3, 1, "flat", False, 16, "collective"),  # stage 1 averages local gradients too
-        (2, 1, "greedy", True, None, "rooted"),
+        (2, 1, "greedy", True, None, "exchange"),
     ],
 )
 def test_each_step_moves_every_bucket_less_the_own_shard_of_gradients_and_params_only(
@@ -125,12 +125,12 @@ def test_each_step_moves_every_bucket_less_the_own_shard_of_gradients_and_params
         assert received == 2 * moved  # two steps of parameters
 
 
-@pytest.mark.parametrize("algorithm", ["collective", "rooted"])
+@pytest.mark.parametrize("algorithm", ["collective", "exchange"])
 def test_stage1_with_averaged_gradients_moves_only_the_parameter_sync(run_world, algorithm):
     for sent, received, names, moved, expected in run_world(
         step_traffic, 3, 1, True, "flat", False, 16, algorithm
     ):
-        assert names == expected - {"reduce", "reduce_scatter_single"}
+        assert names == expected - {"reduce", "reduce_scatter_single", "all_to_all_single"}
         assert sent == 0
         assert received == 2 * moved
 
@@ -178,7 +178,10 @@ def buckets_gather_and_average(rank: int, world: int, algorithm: str) -> tuple[b
     for bucket in buckets:
         staging = torch.arange(bucket.numel, dtype=torch.float32) * (rank + 1)
         out = torch.ones(bucket.shards[rank])
-        reduce_scatter_bucket(staging, bucket, out, accumulate=True, algorithm=algorithm).wait()
+        scratch = torch.full((bucket.numel + 3,), float("nan"))  # larger than needed: a prefix
+        reduce_scatter_bucket(
+            staging, bucket, out, accumulate=True, algorithm=algorithm, scratch=scratch
+        ).wait()
         lo = bucket.shard_start(rank) - bucket.start
         base = torch.arange(lo, lo + bucket.shards[rank], dtype=torch.float32)
         triangle = world * (world + 1) / 2
@@ -186,7 +189,7 @@ def buckets_gather_and_average(rank: int, world: int, algorithm: str) -> tuple[b
     return torch.equal(buf, whole), averaged
 
 
-@pytest.mark.parametrize("algorithm", ["collective", "rooted"])
+@pytest.mark.parametrize("algorithm", ["collective", "exchange"])
 @pytest.mark.parametrize("world", [1, 3])
 def test_bucket_gathers_fill_every_shard_and_bucket_reductions_average(run_world, world, algorithm):
     assert all(all(r) for r in run_world(buckets_gather_and_average, world, algorithm))
@@ -199,6 +202,25 @@ def test_bucket_collectives_refuse_buffers_of_another_size(run_world):
         "shards, got (5,) and 1 shards",
         "reduce_scatter_bucket: expected staging of 8 and output of 8 elements, got 5 and 8",
     ]
+
+
+def test_exchange_refuses_a_scratch_smaller_than_the_bucket(run_world):
+    for message in run_world(bad_scratch, 2):
+        assert message == (
+            "reduce_scatter_bucket: expected a scratch of at least 8 torch.float32 elements, "
+            "got 7 torch.float32"
+        )
+
+
+def bad_scratch(rank: int, world: int) -> str:
+    bucket = Bucket(0, (4, 4))
+    try:
+        reduce_scatter_bucket(
+            torch.zeros(8), bucket, torch.zeros(4), algorithm="exchange", scratch=torch.zeros(7)
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def bad_buffers(rank: int, world: int) -> list[str]:

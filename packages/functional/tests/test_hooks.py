@@ -94,12 +94,12 @@ def train_with_hooks(
     ("world", "stage", "strategy", "bucket", "micro", "algorithm"),
     [
         (2, 2, "flat", None, 2, "collective"),  # one bucket per group: one staging buffer
-        (2, 2, "greedy", 128, 1, "rooted"),  # unequal shards, several buckets
-        (3, 2, "flat", 96, 2, "rooted"),
+        (2, 2, "greedy", 128, 1, "exchange"),  # unequal shards, several buckets
+        (3, 2, "flat", 96, 2, "exchange"),
         (4, 2, "flat", 64, 1, "collective"),
         (1, 1, "flat", None, 1, "auto"),
         (2, 1, "greedy", 128, 1, "collective"),
-        (3, 1, "flat", 96, 2, "rooted"),  # stage 1: .grad accumulates across micro-steps
+        (3, 1, "flat", 96, 2, "exchange"),  # stage 1: .grad accumulates across micro-steps
         (4, 1, "greedy", 1 << 24, 1, "auto"),
     ],
 )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardopt.core import plan_partition
+from shardopt.functional import Algorithm
 from shardopt.functional._layout import build_layout, staging_numel
 
 
@@ -122,6 +123,11 @@ def test_gradient_staging_holds_two_of_the_largest_buckets_whatever_the_world_si
     assert largest <= bucket + 1000 + pad
     single = plan_partition(specs, world, strategy=strategy, bucket_numel=None)
     assert staging_numel(single, 0) == single.groups[0].numel
+    # the exchange's all-to-all receives into a scratch of the bucket's size, equal shards only
+    with_scratch = max(b.numel * (1 + b.uniform) for b in plan.groups[0].buckets)
+    assert staging_numel(plan, 0, Algorithm.EXCHANGE) == 2 * with_scratch
+    if strategy == "flat":
+        assert with_scratch == 2 * largest
 
 
 def test_gradient_shards_are_compact_and_in_the_reduce_dtype():

@@ -26,14 +26,14 @@ CONFIGS = [
     (Setup.DDP, "flat", None, None, "collective", True),
     (Setup.STAGE1, "flat", None, None, "collective", True),
     (Setup.STAGE1, "greedy", None, 8, "collective", True),
-    (Setup.STAGE1, "flat", torch.float32, 16, "rooted", False),
-    (Setup.STAGE1, "greedy", None, 8, "rooted", False),
+    (Setup.STAGE1, "flat", torch.float32, 16, "exchange", False),
+    (Setup.STAGE1, "greedy", None, 8, "exchange", False),
     (Setup.STAGE1, "flat", None, 8, "collective", False),
     (Setup.STAGE2, "flat", None, 16, "collective", False),
-    (Setup.STAGE2, "greedy", None, None, "rooted", False),
+    (Setup.STAGE2, "greedy", None, None, "exchange", False),
     (Setup.STAGE2, "greedy", None, 8, "collective", False),
     (Setup.STAGE2, "flat", torch.float32, 8, "collective", False),
-    (Setup.STAGE2, "flat", None, 8, "rooted", False),
+    (Setup.STAGE2, "flat", None, 8, "exchange", False),
 ]
 
 

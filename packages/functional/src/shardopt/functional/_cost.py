@@ -26,10 +26,12 @@ __all__ = ["RankBytes", "Traffic", "layout_cost", "ring_bytes"]
 # - optimizer: two moments per compact shard element (in the master dtype where set) and one
 #   float32 count per piece;
 # - master: the compact master shards of the lower-precision groups;
-# - buffers: the gradient staging (``staging_numel`` per group) where gradients are reduced.
+# - buffers: the gradient staging (``staging_numel`` per group, the all-to-all's scratch
+#   included under EXCHANGE) where gradients are reduced.
 # Per step each bucket is reduced (where gradients are reduced) and gathered once: the bytes
 # handed to the calls are the bucket's bytes whatever the calls, and the number of calls is
-# ``bucket_calls`` (one all-gather or reduce-scatter, or one broadcast or reduce per owner).
+# ``bucket_calls`` (one all-gather, reduce-scatter or all-to-all, or one broadcast or reduce
+# per owner).
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +66,9 @@ def ring_bytes(world_size: int, all_reduce: int, reduce_scatter: int, all_gather
 class Traffic:
     """Bytes one rank hands to each kind of collective per step, and the calls.
 
-    ``reduce_scatter`` counts reduce-scatter inputs or rooted reduces' blocks, ``all_gather``
-    all-gather outputs or broadcasts' blocks; ``collectives`` the calls of those two kinds.
+    ``reduce_scatter`` counts reduce-scatter and all-to-all inputs or per-owner reduces' blocks,
+    ``all_gather`` all-gather outputs or broadcasts' blocks; ``collectives`` the calls of those
+    two kinds.
     """
 
     all_reduce: int
@@ -114,7 +117,7 @@ def layout_cost(
 ) -> tuple[tuple[RankBytes, ...], Traffic]:
     """Per rank, the bytes held by ``shard(adam, plan, stage=..., ...)``; per step, its traffic.
 
-    ``algorithm`` is the concrete one (``"collective"`` or ``"rooted"``, as ``"auto"``
+    ``algorithm`` is the concrete one (``"collective"`` or ``"exchange"``, as ``"auto"``
     resolves on the ranks' backend). See [Note: cost of a layout].
 
     Example:
@@ -126,7 +129,7 @@ def layout_cost(
     """
     algo = Algorithm(algorithm)
     if algo is Algorithm.AUTO:
-        raise ValueError("layout_cost: expected algorithm 'collective' or 'rooted', got 'auto'")
+        raise ValueError("layout_cost: expected algorithm 'collective' or 'exchange', got 'auto'")
     if stage not in (1, 2) or (stage == 2 and grads_averaged):
         raise ValueError(
             f"layout_cost: expected stage 1, or stage 2 without grads_averaged, got stage "
@@ -135,8 +138,9 @@ def layout_cost(
     reduces = not grads_averaged
     pieces = _pieces_per_rank(plan)
     full_grads = sum(t.nbytes for t in plan.tensors) if stage == 1 else 0
+    staging = [staging_numel(plan, g, algo) for g in range(len(plan.groups))] if reduces else None
     ranks = tuple(
-        _rank_bytes(plan, r, pieces, reduces, master_dtype, reduce_dtype, full_grads, frozen_bytes)
+        _rank_bytes(plan, r, pieces, staging, master_dtype, reduce_dtype, full_grads, frozen_bytes)
         for r in range(plan.world_size)
     )
     return ranks, _traffic(plan, reduces, reduce_dtype, algo)
@@ -146,7 +150,7 @@ def _rank_bytes(
     plan: Plan,
     rank: int,
     pieces: list[list[int]],
-    reduces: bool,
+    staging: list[int] | None,
     master_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     full_grads: int,
@@ -161,9 +165,9 @@ def _rank_bytes(
         params += group.numel * size
         optimizer += 2 * shard * (m.itemsize if m is not None else size) + 4 * pieces[g][rank]
         master += shard * m.itemsize if m is not None else 0
-        if reduces:
+        if staging is not None:  # gradients are reduced
             grads += shard * reduce_size
-            buffers += staging_numel(plan, g) * reduce_size
+            buffers += staging[g] * reduce_size
     return RankBytes(params, grads, optimizer, master, buffers)
 
 
@@ -181,5 +185,5 @@ def _traffic(
             calls += bucket_calls(bucket, algo)
             if reduces:
                 reduced += bucket.numel * reduce_size
-                calls += bucket_calls(bucket, algo)
+                calls += bucket_calls(bucket, algo, reduce=True)
     return Traffic(0, reduced, gathered, calls)

@@ -15,6 +15,8 @@ from shardopt.functional._collectives import (
     ProcessGroup,
     all_gather_bucket,
     reduce_scatter_bucket,
+    reduce_scratch_numel,
+    resolve_algorithm,
 )
 
 __all__ = ["BucketKey", "FlatLayout", "build_layout", "staging_numel"]
@@ -41,11 +43,12 @@ BucketKey = tuple[int, int]  # (plan group, bucket in the group)
 # [Note: gradient staging]
 # A group has two persistent staging buffers used in turn, so packing one bucket overlaps the
 # reduction of the previous; each holds the group's largest bucket, so together they are at most
-# about 2 * 2 * bucket_numel elements, whatever W. A tensor larger than ``bucket_numel`` (an
-# embedding) is a bucket of its own; sizing the persistent buffers for it would keep twice its
-# gradient alive between steps, so it is packed into a buffer of its own that lives only until
-# its reduction completes (in stage 2 its full gradient is freed as soon as it is packed, so the
-# moment's peak is one such gradient more).
+# about 2 * 2 * bucket_numel elements, whatever W (twice that under EXCHANGE, whose all-to-all
+# receives into a scratch of the bucket's size: [Note: collective algorithms]). A tensor larger
+# than ``bucket_numel`` (an embedding) is a bucket of its own; sizing the persistent buffers
+# for it would keep twice its gradient alive between steps, so it is packed into a buffer of its
+# own that lives only until its reduction completes (in stage 2 its full gradient is freed as
+# soon as it is packed, so the moment's peak is one such gradient more).
 #
 # Collectives must be entered in the same order on every rank. Parameter syncs run in bucket
 # order (the next forward needs the first buckets first); gradient syncs in reverse bucket order
@@ -270,24 +273,27 @@ class FlatLayout:
         """The gradient staging buffers allocated so far (see :func:`staging_numel`)."""
         return tuple(s for s in self._staging if s is not None)
 
-    def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, Hashable]:
-        """A staging buffer for bucket ``key``'s gradients and its tag in the queue."""
+    def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor, Hashable]:
+        """Bucket ``key``'s staging, its reduction's scratch (maybe empty) and their tag."""
         g, bucket = key[0], self.bucket(key)
         dtype = self.reduce_dtype or self.buffers[g].dtype
         device = self.buffers[g].device
+        algo = resolve_algorithm(self.algorithm, self.group, device)
+        numel = bucket.numel + reduce_scratch_numel(bucket, algo)
         if key[1] in self.oversized[g]:
-            return torch.empty(bucket.numel, dtype=dtype, device=device), key
-        buf = self._staging[g]
-        if buf is None:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            return buf[: bucket.numel], buf[bucket.numel :], key
+        slots = self._staging[g]
+        if slots is None:
             regular = len(self.plan.groups[g].buckets) - len(self.oversized[g])
-            slots = 2 if regular > 1 else 1
-            shape = (slots, staging_numel(self.plan, g) // slots)
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            self._staging[g] = buf
+            count = 2 if regular > 1 else 1
+            shape = (count, staging_numel(self.plan, g, algo) // count)
+            slots = self._staging[g] = torch.empty(shape, dtype=dtype, device=device)
         slot = self._slot[g]
-        self._slot[g] = (slot + 1) % buf.shape[0]
+        self._slot[g] = (slot + 1) % slots.shape[0]
         self._grads.release((g, slot))  # the slot's previous reduction must be done
-        return buf[slot, : bucket.numel], (g, slot)
+        row = slots[slot]
+        return row[: bucket.numel], row[bucket.numel : numel], (g, slot)
 
     def start_grad_sync(
         self, key: BucketKey, grad_of: Callable[[int], torch.Tensor | None], *, accumulate: bool
@@ -296,7 +302,7 @@ class FlatLayout:
         rank's gradient shard (added to it with ``accumulate``). See [Note: engine]."""
         shards = self.ensure_grad_shards()
         bucket = self.bucket(key)
-        staging, tag = self._staging_for(key)
+        staging, scratch, tag = self._staging_for(key)
         for lo, hi in self.gaps[key]:  # padding: zeros (touched only here, not the whole slot)
             staging[lo:hi].zero_()
         for t, lo, n in self.packing[key]:
@@ -313,6 +319,7 @@ class FlatLayout:
             group=self.group,
             async_op=True,
             algorithm=self.algorithm,
+            scratch=scratch,
         )
         self._grads.push(tag, pending)
 
@@ -396,10 +403,11 @@ def oversized(plan: Plan, g: int) -> frozenset[int]:
     return frozenset(b for b in big if count[b] == 1)
 
 
-def staging_numel(plan: Plan, g: int) -> int:
-    """Elements of group ``g``'s persistent gradient staging: two (one if the group has a single
-    bucket) of its largest buckets that are not :func:`oversized`."""
+def staging_numel(plan: Plan, g: int, algorithm: Algorithm = Algorithm.COLLECTIVE) -> int:
+    """Elements of group ``g``'s persistent gradient staging under the concrete ``algorithm``:
+    two slots (one if the group has a single bucket), each holding any of its buckets that is
+    not :func:`oversized` with that bucket's reduction scratch (see [Note: gradient staging])."""
     skip = oversized(plan, g)
     buckets = [x for b, x in enumerate(plan.groups[g].buckets) if b not in skip]
-    largest = max((b.numel for b in buckets), default=0)
+    largest = max((b.numel + reduce_scratch_numel(b, algorithm) for b in buckets), default=0)
     return largest * (2 if len(buckets) > 1 else 1)

@@ -39,7 +39,7 @@ _COLLECTIVES = (
     "barrier",
 )
 _GATHERS = ("all_gather_single", "all_gather_into_tensor")
-_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single")
 _ONE_TENSOR = ("all_reduce", "broadcast", "reduce")  # their second argument is not a tensor
 
 
@@ -74,7 +74,7 @@ class CollectiveLog:
 
     def traffic(self) -> Traffic:
         """The calls as a Traffic ([Note: traffic model]): broadcasts count as gathers, reduces
-        as reduce-scatters."""
+        and single-tensor all-to-alls as reduce-scatters."""
 
         def total(kinds: tuple[str, ...], input_side: bool) -> int:
             return sum(

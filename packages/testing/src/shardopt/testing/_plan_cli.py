@@ -33,8 +33,8 @@ _CALLS = {
     "collective": "one all-gather / reduce-scatter per bucket of --bucket-numel elements (all "
     "ranks together); one broadcast / reduce per owner where shards are unequal (greedy) "
     "(--algorithm collective)",
-    "rooted": "one broadcast / reduce per owner and bucket (--algorithm rooted: shard()'s choice "
-    "for CPU tensors on gloo)",
+    "exchange": "one broadcast per owner and one all-to-all per bucket; one reduce per owner where "
+    "shards are unequal (--algorithm exchange: shard()'s choice for CPU tensors on gloo)",
 }
 _COLUMNS = ("params", "grads", "optimizer", "master", "buffers", "total")
 
@@ -252,7 +252,7 @@ def _add_dtype_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--algorithm",
-        choices=("collective", "rooted"),
+        choices=("collective", "exchange"),
         default="collective",
         help="shard()'s collectives: all-gathers and reduce-scatters, or broadcasts and "
         "reduces (its default for CPU tensors on gloo) (default: collective)",

@@ -106,7 +106,7 @@ def predict(
     predicts]).
 
     ``strategy``, ``align`` and ``bucket_numel`` are ``plan_partition``'s (ignored for DDP);
-    ``master_dtype``, ``grads_averaged`` and ``algorithm`` (``"collective"`` or ``"rooted"``,
+    ``master_dtype``, ``grads_averaged`` and ``algorithm`` (``"collective"`` or ``"exchange"``,
     not ``"auto"``) ``shard``'s.
 
     Example:
@@ -115,8 +115,8 @@ def predict(
         >>> p.ranks[0], p.traffic.sent(4)
         (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
     """
-    if algorithm not in ("collective", "rooted"):
-        raise ValueError(f"plan: expected algorithm collective or rooted, got {algorithm!r}")
+    if algorithm not in ("collective", "exchange"):
+        raise ValueError(f"plan: expected algorithm collective or exchange, got {algorithm!r}")
     if not any(p.trainable for p in params):
         raise ValueError("plan: expected at least one trainable parameter, got none")
     if setup is Setup.DDP:
