@@ -66,6 +66,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_plan.py")
     session.run("python", "benchmarks/bench_zero_consolidate.py")
     session.run("python", "benchmarks/bench_zero_step.py")
+    session.run("python", "benchmarks/bench_zero_step_check.py")
     session.run("shardopt", "bench", *session.posargs, env=THREAD_ENV)
 
 

@@ -27,8 +27,9 @@ SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
 SLACK = 4096  # bytes: the gathered per-piece values (W x fields x tensors float64) and the like
 # The consolidation holds one field shard besides the result (its staging windows and gloo's
 # hidden copy of them); gloo frees a copy on its own thread, at times after the next window's is
-# allocated (seen: half a shard more), so the bound allows two.
-SHARDS = 2
+# allocated, and later still on a loaded machine (seen: 2.5 shards under pytest -n 2 beside other
+# multi-process tests), so the bound allows three: still one field's shards, not the state.
+SHARDS = 3
 
 
 def allocation_peak(fn: Callable[[], Any]) -> tuple[Any, int]:

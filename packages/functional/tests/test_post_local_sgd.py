@@ -181,15 +181,21 @@ def _wrapped(cls: Any) -> tuple[nn.Module, Any]:
 
 
 @pytest.mark.parametrize("cls", WRAPPERS, ids=["ours", "torch"])
-def test_load_state_dict_without_averager_step_warns_and_resets_it_to_0(cls: Any) -> None:
+def test_load_state_dict_without_averager_step_warns_in_torchs_words_and_resets_it_to_0(
+    cls: Any,
+) -> None:
     model, opt = _wrapped(cls)
     _train_step(model, opt, 0)
     state = opt.state_dict()
     assert state["step"] == 1
     del state["step"]
     opt.averager.step = 7
-    with pytest.warns(UserWarning, match="step"):
+    with pytest.warns(UserWarning, match="step counter") as caught:
         opt.load_state_dict(state)
+    assert [str(w.message) for w in caught] == [
+        "Loaded state dict does not contain a step counter for an averager. "
+        "Setting step counter to 0."
+    ]
     assert opt.averager.step == 0
 
 

@@ -225,6 +225,25 @@ def test_sharding_gives_each_rank_its_share_at_construction(world: World, partit
         assert mine == (32 if world.rank == 0 else 16)
 
 
+@pytest.mark.parametrize("partition", ["greedy", "flat"])
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_a_generator_inside_a_param_group_keeps_every_parameter(
+    world: World, partition: str
+) -> None:
+    """torch's own class loses the first group's parameters here (it reads the generator twice);
+    every parameter must be in a group, owned by a rank, and stepped."""
+    torch.manual_seed(0)
+    m = three_linears()
+    groups = [{"params": m[0].parameters()}, {"params": list(m[1].parameters())}]
+    o = ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=LR, partition=partition)
+    assert [len(g["params"]) for g in o.param_groups] == [2, 2]
+    before = [p.detach().clone() for p in m[0].parameters()]
+    m(torch.ones(2, 5)).sum().backward()
+    o.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, m[0].parameters()))
+    assert set(o._param_to_rank) == set(m[0].parameters()) | set(m[1].parameters())
+
+
 @pytest.mark.world(2, backend="gloo", timeout=60)
 def test_add_param_group_repartitions_over_every_rank(world: World) -> None:
     sizes = [9, 7, 5, 3]

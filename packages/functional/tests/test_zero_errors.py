@@ -1,4 +1,5 @@
-"""ZeroRedundancyOptimizer's errors: torch's types, our messages, raised before any collective."""
+"""ZeroRedundancyOptimizer's errors: torch's types, our messages, raised on every rank together
+after the one small agreement collective and before any data moves."""
 
 from __future__ import annotations
 
@@ -39,8 +40,11 @@ class CollectiveCalledError(AssertionError):
 
 
 @contextlib.contextmanager
-def no_collectives() -> Iterator[None]:
-    """Any torch.distributed collective called inside fails the test."""
+def only_the_agreement() -> Iterator[list[int]]:
+    """Inside, one all-gather of two int64 per rank (the agreement) runs; any other collective
+    fails the test. Yields the list of agreement calls made."""
+    real = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    made: list[int] = []
 
     def fail(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> None:
@@ -48,9 +52,16 @@ def no_collectives() -> Iterator[None]:
 
         return call
 
+    def agreement(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+        if made or input.dtype != torch.int64 or input.numel() != 2:
+            raise CollectiveCalledError("a collective besides the agreement was called")
+        made.append(output.numel())
+        return real(output, input, **kwargs)
+
     present = {n: fail(n) for n in COLLECTIVES if hasattr(dist, n)}
+    present[real.__name__] = agreement
     with mock.patch.multiple(dist, **present):
-        yield
+        yield made
 
 
 class SGDSubclass(torch.optim.SGD):
@@ -162,11 +173,11 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
 
 
 @pytest.mark.world(2, backend="gloo", timeout=60)
-def test_bad_constructor_input_raises_on_every_rank_before_any_collective(world: World) -> None:
+def test_bad_constructor_input_raises_on_every_rank_after_only_the_agreement(world: World) -> None:
     failures = []
     for name, build, error, pattern in CONSTRUCTOR_CASES:
         try:
-            with no_collectives():
+            with only_the_agreement():
                 build()
         except error as exc:
             if not re.search(pattern, str(exc)):
@@ -181,13 +192,20 @@ def test_bad_constructor_input_raises_on_every_rank_before_any_collective(world:
 
 @pytest.mark.parametrize("partition", ["greedy", "flat"])
 @pytest.mark.world(2, backend="gloo", timeout=60)
-def test_add_param_group_checks_before_any_collective(world: World, partition: str) -> None:
+def test_add_param_group_and_consolidation_check_in_only_the_agreement(
+    world: World, partition: str
+) -> None:
     o = ZeroRedundancyOptimizer(model().parameters(), torch.optim.Adam, partition=partition)
-    with no_collectives():
-        with pytest.raises(ValueError, match=r"one dtype .* got float32 and float64"):
-            o.add_param_group({"params": [torch.zeros(3, dtype=torch.float64)]})
-        with pytest.raises(ValueError, match=r"consolidate_state_dict: expected 0 <= to"):
-            o.consolidate_state_dict(to=-1)
+    with (
+        only_the_agreement(),
+        pytest.raises(ValueError, match=r"one dtype .* got float32 and float64"),
+    ):
+        o.add_param_group({"params": [torch.zeros(3, dtype=torch.float64)]})
+    with (
+        only_the_agreement(),
+        pytest.raises(ValueError, match=r"consolidate_state_dict: expected 0 <= to"),
+    ):
+        o.consolidate_state_dict(to=-1)
     assert len(o.param_groups) == 1
 
 

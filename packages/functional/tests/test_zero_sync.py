@@ -110,7 +110,7 @@ def test_staged_and_view_syncs_deliver_every_owner_s_values(world: World, n: int
     with its owner's values; staged syncs leave the parameters in their own storage and stage at
     most two of the largest multi-tensor buckets."""
     for view in (False, True):
-        for algorithm in ("rooted", "collective"):
+        for algorithm in ("exchange", "collective"):
             for bucket_numel in (None, 30):
                 right, kept, calls, sync = sync_case(world.rank, view, bucket_numel, algorithm)
                 assert right, (view, algorithm, bucket_numel)
@@ -128,7 +128,7 @@ SHAPES_T = [torch.empty(s) for s in SHAPES]
 @pytest.mark.world(2, backend="gloo", timeout=120)
 def test_equal_greedy_shards_are_all_gathered_in_place_under_collective(world: World) -> None:
     balanced = ((6, 4), (6, 4), (5,), (5,))
-    for algorithm, expected in (("rooted", ["broadcast"] * 2), ("collective", None)):
+    for algorithm, expected in (("exchange", ["broadcast"] * 2), ("collective", None)):
         right, _, calls, _ = sync_case(world.rank, True, None, algorithm, shapes=balanced)
         assert right
         names = [name for name, _ in calls]
@@ -145,7 +145,7 @@ def test_a_tensor_alone_in_its_bucket_is_broadcast_from_the_parameter_itself(
 ) -> None:
     """A tensor larger than bucket_numel is its own bucket: no staging for it."""
     shapes = ((40,), (3,), (2,))
-    right, kept, calls, sync = sync_case(world.rank, False, 8, "rooted", shapes=shapes)
+    right, kept, calls, sync = sync_case(world.rank, False, 8, "exchange", shapes=shapes)
     assert right
     assert kept
     assert ("broadcast", 40 * 4) in calls
@@ -181,15 +181,21 @@ def test_sync_params_of_sends_only_the_given_parameters(world: World, view: bool
 def test_consolidation_gathers_tensors_without_pickling_them(
     world: World, n: int, partition: str
 ) -> None:
-    """Greedy: one small object gather (metadata), then one buffer per other rank, point to point
-    to the target; flat: tensor gathers only. Nothing is broadcast; the tensors moved add up to
-    the other ranks' state."""
+    """After the agreement on ``to`` (one all-gather of 16 bytes per rank); greedy: one small
+    object gather (metadata), then one buffer per other rank, point to point to the target;
+    flat: tensor gathers only. Nothing is broadcast; the tensors moved add up to the other
+    ranks' state."""
     model = mlp(64, 4)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, partition=partition)
     model(torch.randn(3, 64)).sum().backward()
     zero.step()
     with recording() as calls:
         zero.consolidate_state_dict(to=1)
+    agreement, *calls = calls
+    assert agreement == ("all_gather_single", 16 * n)
+    if partition == "flat":  # shard's consolidation agrees on its own input too
+        assert calls.count(("all_gather_single", 16 * n)) == 1
+        calls.remove(("all_gather_single", 16 * n))
     names = sorted({name for name, _ in calls})
     state_bytes = 2 * sum(p.numel() * 4 for p in model.parameters())  # exp_avg, exp_avg_sq
     if partition == "greedy":

@@ -27,6 +27,7 @@ from shardopt.functional._validate import (
     check_grads,
     check_params,
     fingerprint,
+    probe_updates,
 )
 
 __all__ = ["ShardOptions", "ShardedTransformation", "Stage", "shard"]
@@ -167,9 +168,10 @@ def shard(
         max_norm: clip the gradient to this global norm (the norm of the full gradient).
         skip_nonfinite: if any rank finds an inf or nan gradient, every rank skips the step
             (``state.stats.skipped``), e.g. under a gradient scaler.
-        algorithm: ``"collective"`` (all-gather and reduce-scatter calls), ``"rooted"``
-            (per-rank broadcasts and reduces) or ``"auto"`` (rooted for CPU tensors under gloo,
-            where it is faster); see [Note: collective algorithms].
+        algorithm: ``"collective"`` (all-gather and reduce-scatter calls), ``"exchange"``
+            (per-owner broadcasts, and an all-to-all summed by each owner) or ``"auto"``
+            (exchange for CPU tensors under gloo, where it is faster); see
+            [Note: collective algorithms].
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -209,9 +211,16 @@ def _init(
     tx: Transformation, plan: Plan, opts: ShardOptions, group: ProcessGroup, params: list[Any]
 ) -> ShardedState:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error = check_params(plan, params, world)
-    probed = probe_fields(tx, [torch.zeros(2, dtype=d) for d in _piece_dtypes(plan, opts)])
-    agree_across_ranks("shard", error, fingerprint(plan, (opts, sorted(probed.items()))), group)
+    error: str | BaseException | None = check_params(plan, params, world)
+    probed, computes = {}, ""
+    try:  # the transformation's own errors ride through the agreement too
+        dtypes = _piece_dtypes(plan, opts)
+        probed = probe_fields(tx, [torch.zeros(2, dtype=d) for d in dtypes])
+        computes = probe_updates(tx, dtypes)
+    except Exception as exc:  # raised below, on this rank, after the agreement
+        error = error or exc
+    print_ = fingerprint(plan, (opts, sorted(probed.items()), computes))
+    agree_across_ranks("shard", error, print_, group)
     layout = build_layout(
         plan, params, rank, group=group, algorithm=opts.algorithm, reduce_dtype=opts.reduce_dtype
     )

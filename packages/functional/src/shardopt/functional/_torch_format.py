@@ -18,6 +18,7 @@ from shardopt.functional._checkpoint_keys import (
 )
 from shardopt.functional._collectives import ProcessGroup, comm_device
 from shardopt.functional._state import FieldKind, ShardedState
+from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
 
@@ -109,13 +110,19 @@ def consolidate_state_dict(
     state.layout.wait_params()  # [Note: deferred parameter sync]
     plan = state.layout.plan
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world != plan.world_size:
-        raise ValueError(f"{api}: expected a group of {plan.world_size} ranks, got {world}")
-    if type(to) is not int or not 0 <= to < world:
-        raise ValueError(f"{api}: expected 0 <= to < {world}, got {to!r}")
-    keys = field_keys(state, api, torch_only=True)
-    key_of = param_keys(api, plan, names)
-    groups = param_group_dicts(api, plan, param_groups, key_of)
+    failure: BaseException | None = None
+    try:  # local checks: their errors ride through the agreement ([Note: cross-rank validation])
+        if world != plan.world_size:
+            raise ValueError(f"{api}: expected a group of {plan.world_size} ranks, got {world}")
+        if type(to) is not int or not 0 <= to < world:
+            raise ValueError(f"{api}: expected 0 <= to < {world}, got {to!r}")
+        keys = field_keys(state, api, torch_only=True)
+        key_of = param_keys(api, plan, names)
+        groups = param_group_dicts(api, plan, param_groups, key_of)
+    except ValueError as exc:
+        failure = exc
+    print_ = 0 if failure else fingerprint(plan, describe((to, key_of, groups)))
+    agree_across_ranks(api, failure, print_, group)
     scalars = _gather_scalars(state, keys, to, group)
     entries = _empty_entries(state, keys, scalars, comm_device(group)) if rank == to else None
     _gather_elementwise(state, keys, entries, to, group)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,14 @@ import torch
 from shardopt.core import Plan
 from shardopt.functional._collectives import ProcessGroup, all_gather_rows, comm_device
 
-__all__ = ["agree_across_ranks", "check_grads", "check_params", "fingerprint"]
+__all__ = [
+    "agree_across_ranks",
+    "check_grads",
+    "check_params",
+    "describe",
+    "fingerprint",
+    "probe_updates",
+]
 
 # [Note: cross-rank validation]
 # A collective that some ranks enter and others do not (or enter with other sizes) hangs until
@@ -20,8 +28,14 @@ __all__ = ["agree_across_ranks", "check_grads", "check_params", "fingerprint"]
 # int64 row per rank ``[error flag, fingerprint]``. The fingerprint hashes everything that must be
 # equal on all ranks: the plan (``Plan.fingerprint``, which drops device indices: rank r
 # legitimately uses cuda:r), the sharding options and the structure of the optimizer state.
-# Then every rank raises the same kind of ValueError if any rank failed a local check or any
-# fingerprint differs; none proceeds.
+# Then every rank raises if any rank failed a local check (that rank its own error, the others a
+# ValueError naming it) or any fingerprint differs; none proceeds.
+# Hyperparameters are part of the fingerprint: ``describe`` spells a value the same on every rank
+# (tensors by dtype, shape and values, not device; classes and functions by qualified name;
+# memory addresses dropped), and ``probe_updates`` condenses what a transformation computes,
+# since its hyperparameters hide in closures: two updates of a fixed probe, whose values change
+# with every setting that changes the arithmetic (learning rate, betas, eps, decay, the
+# algorithm itself).
 # Gradients are only seen in ``step``; their checks are local (see [Note: gradient checks]).
 
 
@@ -35,6 +49,8 @@ def check_params(plan: Plan, params: Sequence[Any], world_size: int) -> str | No
     for i, (p, spec) in enumerate(zip(params, plan.tensors)):
         if not isinstance(p, torch.Tensor):
             return f"params[{i}] to be a tensor, got {type(p).__name__}"
+        if not p.is_leaf:
+            return f"params[{i}] to be a leaf tensor (as torch.optim), got one with a grad_fn"
         if p.layout != torch.strided:
             return f"params[{i}] to be a dense (strided) tensor, got layout {p.layout}"
         if id(p) in seen:
@@ -85,8 +101,9 @@ def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     return None
 
 
-def fingerprint(plan: Plan, extra: Any) -> int:
-    """A 63-bit hash of ``plan.fingerprint()`` (device indices dropped) and of ``repr(extra)``.
+def fingerprint(plan: Plan | None, extra: Any) -> int:
+    """A 63-bit hash of ``plan.fingerprint()`` (device indices dropped; none without a plan) and
+    of ``repr(extra)``.
 
     Example:
         >>> from shardopt.core import plan_partition
@@ -95,18 +112,65 @@ def fingerprint(plan: Plan, extra: Any) -> int:
         >>> fingerprint(a, "x") == fingerprint(b, "x") != fingerprint(a, "y")
         True
     """
-    text = f"{plan.fingerprint()}:{extra!r}"
+    text = f"{'' if plan is None else plan.fingerprint()}:{extra!r}"
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 
-def agree_across_ranks(api: str, error: str | None, print_: int, group: ProcessGroup) -> None:
-    """Raises ``ValueError`` on every rank if any rank has an ``error`` or another fingerprint.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_PROBE = (0.75, -1.5, 3e-5, -2e-7)  # magnitudes where eps and decay show
 
+
+def describe(value: Any) -> str:
+    """``value`` spelled alike on every rank that holds an equal one (for fingerprints).
+
+    Example:
+        >>> describe({"lr": torch.tensor(0.1), "betas": (0.9, 0.99), "cls": torch.optim.Adam})
+        '{betas:(0.9,0.99),cls:torch.optim.adam.Adam,lr:tensor(float32,(),[0.10000000149011612])}'
+    """
+    if isinstance(value, torch.Tensor):
+        values = value.detach().cpu().reshape(-1).tolist() if value.numel() <= 64 else "..."
+        return f"tensor({str(value.dtype).removeprefix('torch.')},{tuple(value.shape)},{values})"
+    if isinstance(value, Mapping):
+        items = sorted((str(k), describe(v)) for k, v in value.items())
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ",".join(describe(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return repr(value)
+    return _ADDRESS.sub("", f"{type(value).__qualname__}:{value!r}")
+
+
+def probe_updates(tx: Any, dtypes: Sequence[torch.dtype]) -> str:
+    """What ``tx`` computes, condensed: its first two updates of a fixed CPU probe per dtype
+    (see [Note: cross-rank validation]); equal on ranks whose ``tx`` are equal."""
+    params = [torch.tensor(_PROBE, dtype=d) for d in dtypes]
+    grads = [torch.tensor(_PROBE[::-1], dtype=d) for d in dtypes]
+    state = tx.init(params)
+    out = []
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        out.append(describe(list(updates)))
+    return ";".join(out)
+
+
+def agree_across_ranks(
+    api: str, error: str | BaseException | None, print_: int, group: ProcessGroup
+) -> None:
+    """Raises on every rank if any rank has an ``error`` or another fingerprint.
+
+    A rank's own ``error`` is raised there (an exception as it is, prefixed with ``api`` where
+    its message does not name it; a message as a ValueError ``"{api}: expected {error}"``); the
+    other ranks raise a ValueError naming the failed ranks.
     One all-gather of two int64 per rank (see [Note: cross-rank validation]).
     """
     row = torch.tensor([0 if error is None else 1, print_], dtype=torch.int64)
     rows = all_gather_rows(row.to(comm_device(group)), group=group).cpu()
+    if isinstance(error, BaseException):
+        raise _naming(api, error)
     if error is not None:
         raise ValueError(f"{api}: expected {error}")
     failed = [r for r in range(rows.shape[0]) if rows[r, 0].item()]
@@ -121,3 +185,14 @@ def agree_across_ranks(api: str, error: str | None, print_: int, group: ProcessG
             f"{api}: expected the same parameters, plan, options and optimizer state structure "
             f"on every rank, got fingerprints {prints} (one per rank)"
         )
+
+
+def _naming(api: str, error: BaseException) -> BaseException:
+    """``error``, or one of its type whose message starts with ``api`` (torch's own errors, e.g.
+    an optimizer's "Invalid learning rate", keep their type and words behind the prefix)."""
+    name = api.split(".")[0]
+    if name in str(error) or type(error) not in (ValueError, TypeError, RuntimeError):
+        return error
+    renamed = type(error)(f"{api}: {error}")
+    renamed.__cause__ = error
+    return renamed

@@ -114,9 +114,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         if "step" in state_dict:
             self.averager.step = state_dict["step"]
         else:
-            warnings.warn(
-                "PostLocalSGDOptimizer.load_state_dict: the state dict has no 'step' entry for "
-                "the model averager; setting the averager's step to 0",
+            warnings.warn(  # torch's text, word for word: its tests match on it
+                "Loaded state dict does not contain a step counter for an averager. "
+                "Setting step counter to 0.",
                 UserWarning,
                 stacklevel=2,
             )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any
 
 import torch
@@ -12,22 +11,25 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from shardopt.functional._validate import agree_across_ranks, fingerprint
+from shardopt.core import Plan
+from shardopt.functional._validate import describe
 from shardopt.optim._zero_engine import EngineSync
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
 from shardopt.optim._zero_params import (
     Partition,
+    agreed,
+    check_grads,
     check_options,
     check_param_types,
     check_rank,
+    describe_group,
     group_params,
     read_params,
 )
 from shardopt.optim._zero_partition import (
-    flat_partition,
+    PartitionViews,
     greedy_plan,
-    owners,
     partition_parameters,
     step_only,
 )
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 API = "ZeroRedundancyOptimizer"
 
 
-class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -116,20 +118,7 @@ class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
         allow_mixed_dtypes: bool = False,
         **defaults: Any,
     ) -> None:
-        groups, all_params = read_params(params)
-        check_param_types(all_params, allow_mixed_dtypes=allow_mixed_dtypes)
-        self._partition = check_options(
-            optimizer_class,
-            partition,
-            overlap_with_ddp=overlap_with_ddp,
-            parameters_as_bucket_view=parameters_as_bucket_view,
-            allow_mixed_dtypes=allow_mixed_dtypes,
-        )
         self.initialized = False  # add_param_group acts as the base class's until the end
-        Optimizer.__init__(self, groups, defaults)
-        Joinable.__init__(self)
-        self._all_params: list[torch.Tensor] = list(all_params)
-        self._default_device = self._all_params[0].device
         group: Any = dist.group.WORLD if process_group is None else process_group
         self.process_group = group
         self.world_size: int = dist.get_world_size(self.process_group)
@@ -146,93 +135,62 @@ class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
         self._layout = None  # greedy with bucket views: the engine (see EngineSync)
         self._staged = None  # greedy without: the same buckets, staged
         self.optim: Any
-        if self._partition is Partition.FLAT:
-            self._init_flat()
-        else:
-            self._init_greedy()
+        options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
+        plan = agreed(
+            API,
+            lambda: self._build(params, options),
+            group,
+            lambda: getattr(self, "_default_device", None),
+        )
+        with on_device(self._default_device):
+            if self._flat:
+                for param_group in self.param_groups:
+                    self.optim.add_param_group(param_group)
+            else:
+                assert plan is not None  # greedy: _build made one
+                self._set_plan(plan)
         self.initialized = True
 
     # -- construction -------------------------------------------------------------------------
 
-    def _init_greedy(self) -> None:
-        plan = greedy_plan(self.param_groups, self.world_size)
-        local = partition_parameters(self.param_groups, plan)[self.rank]
-        self.optim = self._optim_constructor(local, **self._optim_defaults)
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
-        extra = (API, self._partition.value, self.parameters_as_bucket_view, self._overlap_with_ddp)
-        with on_device(self._default_device):
-            agree_across_ranks(API, None, fingerprint(plan, extra), self.process_group)
-        self._set_plan(plan)
-
-    def _init_flat(self) -> None:
-        full = torch_defaults(self._optim_constructor, self._optim_defaults, self._all_params[0])
-        optim = FlatShardOptimizer(
-            self._optim_constructor, full, self.process_group, self.world_size
+    def _build(self, params: Any, options: tuple[Any, ...]) -> tuple[Plan | None, str]:
+        """Everything local of the constructor: checks, param groups, the local optimizer.
+        Returns the greedy plan (None for flat) and what must agree across ranks."""
+        partition, bucket_view, overlap, mixed = options
+        groups, all_params = read_params(params)
+        check_param_types(all_params, allow_mixed_dtypes=mixed)
+        self._partition = check_options(
+            self._optim_constructor,
+            partition,
+            overlap_with_ddp=overlap,
+            parameters_as_bucket_view=bucket_view,
+            allow_mixed_dtypes=mixed,
         )
-        for group in self.param_groups:
-            optim.prepare(group)  # raises before any collective
-        self.optim = optim
-        with on_device(self._default_device):
-            for group in self.param_groups:
-                optim.add_param_group(group)
+        Optimizer.__init__(self, groups, self._optim_defaults)
+        Joinable.__init__(self)
+        self._all_params: list[torch.Tensor] = list(all_params)
+        self._default_device = self._all_params[0].device
+        plan = None
+        if self._flat:
+            self.optim = FlatShardOptimizer(
+                self._optim_constructor,
+                torch_defaults(self._optim_constructor, self._optim_defaults, all_params[0]),
+                self.process_group,
+                self.world_size,
+            )
+            for param_group in self.param_groups:
+                self.optim.prepare(param_group)
+        else:
+            plan = greedy_plan(self.param_groups, self.world_size)
+            local = partition_parameters(self.param_groups, plan)[self.rank]
+            self.optim = self._optim_constructor(local, **self._optim_defaults)
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        summary = (describe(self._optim_constructor), self._partition.value, *options[1:])
+        return plan, describe([summary, *map(describe_group, self.param_groups)])
 
     @property
     def _flat(self) -> bool:
         return self._partition is Partition.FLAT
-
-    # -- partition, in torch's attributes ----------------------------------------------------
-
-    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
-
-    def _partition_parameters(self) -> list[list[dict[str, Any]]]:
-        """Per rank, its param groups: each outer group with the parameters the rank updates
-        (flat partition: the parameters with elements on the rank)."""
-        if self._flat:
-            units = self.optim.units()
-            return self._cached(
-                "partition", lambda: flat_partition(self.param_groups, units, self.world_size)
-            )
-        plan = self._cache["plan"]
-        return self._cached("partition", lambda: partition_parameters(self.param_groups, plan))
-
-    @property
-    def _param_to_rank(self) -> dict[torch.Tensor, int]:
-        """Parameter -> the rank that updates it (flat: the rank with its first element)."""
-        if self._flat:
-            plans = [None if u is None else u.plan for u in self.optim.units()]
-        else:
-            plans = [self._cache["plan"]]
-        return self._cached("owners", lambda: owners(self.param_groups, plans))
-
-    @property
-    def _param_to_index(self) -> dict[torch.Tensor, int]:
-        """Parameter -> its index in the global state dict (param-group order)."""
-        return self._cached("index", lambda: {p: i for i, p in enumerate(self._index_to_param)})
-
-    @property
-    def _index_to_param(self) -> list[torch.Tensor]:
-        """The parameters in the global state dict's order."""
-        return self._cached(
-            "params", lambda: list(chain.from_iterable(g["params"] for g in self.param_groups))
-        )
-
-    @staticmethod
-    def _sync_param_groups(
-        src_param_groups: list[dict[str, Any]], dst_param_groups: list[dict[str, Any]]
-    ) -> None:
-        """Copies every key but ``"params"`` of each source group into its destination group."""
-        if len(src_param_groups) != len(dst_param_groups):
-            raise ValueError(
-                f"{API}: expected as many source as destination param groups, got "
-                f"{len(src_param_groups)} and {len(dst_param_groups)}"
-            )
-        for src, dst in zip(src_param_groups, dst_param_groups):
-            for key, value in src.items():
-                if key != "params":
-                    dst[key] = value
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -261,6 +219,8 @@ class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
 
     def _step_and_sync(self, closure: Callable[[], Any] | None, kwargs: dict[str, Any]) -> Any:
         self.wait_params()  # the update writes what the last gathers send
+        if not self._flat and closure is None:  # (flat: shard's step checks every gradient)
+            check_grads(self._all_params, self._optim_constructor)
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         if self._flat:
             loss = self.optim.step(closure, **kwargs)  # updates and syncs
@@ -302,21 +262,38 @@ class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
                 f"{API}.add_param_group: expected a single parameter group with "
                 "overlap_with_ddp=True, got a request to add one"
             )
-        new = group_params(param_group, len(self.param_groups))
-        check_param_types(self._all_params + new, allow_mixed_dtypes=self._allow_mixed_dtypes)
-        super().add_param_group(param_group)
+        count = len(self.param_groups)
+        try:
+            agreed(
+                f"{API}.add_param_group",
+                lambda: self._add_locally(param_group),
+                self.process_group,
+                lambda: self._default_device,
+            )
+        except BaseException:
+            del self.param_groups[count:]  # every rank raises: none keeps the group
+            raise
         group = self.param_groups[-1]
         self._all_params.extend(group["params"])
         self._cache.clear()
-        if self._flat:
-            self.optim.prepare(group)
-            with on_device(self._default_device):
+        with on_device(self._default_device):
+            if self._flat:
                 self.optim.add_param_group(group)
-            return
-        plan = greedy_plan(self.param_groups, self.world_size)
-        self.optim.add_param_group(partition_parameters(self.param_groups, plan)[self.rank][-1])
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
-        self._set_plan(plan)
+                return
+            plan = greedy_plan(self.param_groups, self.world_size)
+            local = partition_parameters(self.param_groups, plan)[self.rank][-1]
+            self.optim.add_param_group(local)
+            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+            self._set_plan(plan)
+
+    def _add_locally(self, param_group: dict[str, Any]) -> tuple[None, str]:
+        """add_param_group's local part: checks, then torch's (which fills the defaults)."""
+        new = group_params(param_group, len(self.param_groups))
+        check_param_types(self._all_params + new, allow_mixed_dtypes=self._allow_mixed_dtypes)
+        super().add_param_group(param_group)
+        if self._flat:
+            self.optim.prepare(self.param_groups[-1])
+        return None, describe([len(self.param_groups), describe_group(self.param_groups[-1])])
 
     # -- state dicts ---------------------------------------------------------------------------
 
@@ -326,7 +303,12 @@ class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
         See [Note: consolidation without pickled tensors]. Afterwards :meth:`state_dict` works on
         rank ``to`` (and raises on the others).
         """
-        check_rank("consolidate_state_dict", "to", to, self.world_size)
+        agreed(
+            f"{API}.consolidate_state_dict",
+            lambda: _checked_rank(to, self.world_size),
+            self.process_group,
+            lambda: self._default_device,
+        )
         self.wait_params()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         with on_device(self._default_device):
@@ -386,3 +368,9 @@ class ZeroRedundancyOptimizer(EngineSync, Optimizer, Joinable):
     def join_process_group(self) -> Any:
         """The process group of the join context."""
         return self.process_group
+
+
+def _checked_rank(to: Any, world_size: int) -> tuple[None, Any]:
+    """consolidate_state_dict's local check, and what must agree: ``to``."""
+    check_rank("consolidate_state_dict", "to", to, world_size)
+    return None, to

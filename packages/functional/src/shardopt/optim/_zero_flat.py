@@ -197,7 +197,11 @@ class FlatShardOptimizer:
         for unit, group in zip(self._units, self.param_groups):
             if unit is not None:
                 self._refresh(unit, group)
-                unit.state = unit.sharded.step(unit.params, None, unit.state)
+                try:
+                    unit.state = unit.sharded.step(unit.params, None, unit.state)
+                except ValueError as exc:  # name the API the user called, not ours
+                    message = str(exc).removeprefix("shard: ")
+                    raise ValueError(f"{API}.step: {message}") from exc
         return loss
 
     def consolidate(

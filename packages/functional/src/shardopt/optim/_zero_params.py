@@ -1,26 +1,80 @@
-"""ZeroRedundancyOptimizer's input checks: params, dtypes, partition; local, before collectives."""
+"""ZeroRedundancyOptimizer's input checks: local ones, and the one agreement across ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from typing import Any, TypeVar
 
 import torch
 
+from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 from shardopt.optim._core_mapping import CORE_FACTORIES
+from shardopt.optim._zero_transport import on_device
 
-__all__ = ["Partition", "check_options", "check_param_types", "check_rank", "read_params"]
+__all__ = [
+    "Partition",
+    "agreed",
+    "check_grads",
+    "check_options",
+    "check_param_types",
+    "check_rank",
+    "describe_group",
+    "read_params",
+]
 
 API = "ZeroRedundancyOptimizer"
+T = TypeVar("T")
 
 # [Note: checks before collectives]
-# Every check of the constructor and of add_param_group runs before its first collective and
-# depends only on the arguments, which every rank passes alike: a bad argument raises the same
-# error on every rank and no rank is left waiting in a collective. The error types are torch's:
-# TypeError for a ``params`` that is not an iterable of tensors or of param-group dicts,
-# ValueError for an empty parameter list, a sparse parameter or mixed dtypes (without
-# ``allow_mixed_dtypes=True``), and for options we add (``partition``).
+# The constructor, add_param_group and consolidate_state_dict each settle their input in one
+# small collective before any data moves (``agreed``, on [Note: cross-rank validation] of
+# shardopt.functional): every local check and everything the local optimizer's constructor does
+# runs first, inside it; a failure is kept, not raised; then one all-gather of (failed?,
+# fingerprint) per rank; then every rank raises if any rank failed (that rank its own error, as
+# torch would raise it, the others a ValueError naming it) or any fingerprint differs. The
+# fingerprint covers the optimizer class, every hyperparameter of every param group, every
+# parameter's shape, dtype and device type, the partition and the flags (and consolidation's
+# ``to``). The error types are torch's: TypeError for a ``params`` that is not an iterable of
+# tensors or of param-group dicts, ValueError for an empty parameter list, a sparse parameter or
+# mixed dtypes (without ``allow_mixed_dtypes=True``), and for options we add (``partition``).
+# step() adds no collective: its gradient checks (``check_grads``) look at every parameter's
+# gradient, not only this rank's, so a defect that every rank has raises on every rank before
+# the parameter sync.
+
+
+def agreed(
+    api: str,
+    check: Callable[[], tuple[T, Any]],
+    group: Any,
+    device: Callable[[], torch.device | None] = lambda: None,
+) -> T:
+    """``check()``'s result once every rank of ``group`` passed its checks with equal inputs.
+
+    ``check`` returns ``(result, what must agree)``; any exception it raises is held until the
+    agreement, then raised on this rank while the others raise a ValueError naming it. The
+    agreement runs on ``device()`` (asked after ``check``; None: the current device).
+    """
+    result: Any = None
+    failure: BaseException | None = None
+    print_ = 0
+    try:
+        result, summary = check()
+        print_ = fingerprint(None, summary)
+    except Exception as exc:  # raised below, on this rank, after the agreement
+        failure = exc
+    where = device()
+    with on_device(where) if where is not None else contextlib.nullcontext():
+        agree_across_ranks(api, failure, print_, group)
+    return result
+
+
+def describe_group(group: Mapping[str, Any]) -> str:
+    """A param group as it must agree: every hyperparameter, and per parameter its shape, dtype
+    and device type (not the index: rank r may use cuda:r)."""
+    params = [(tuple(p.shape), str(p.dtype), p.device.type) for p in group["params"]]
+    return describe({**{k: v for k, v in group.items() if k != "params"}, "params": params})
 
 
 class Partition(str, enum.Enum):
@@ -73,7 +127,8 @@ def read_params(params: Any) -> tuple[list[Any], list[torch.Tensor]]:
 
 
 def group_params(group: Mapping[str, Any], index: int) -> list[torch.Tensor]:
-    """The tensors of one param group (``params`` a tensor or an iterable of tensors)."""
+    """The tensors of one param group (``params`` a tensor or an iterable of tensors); a
+    one-shot iterable (a generator) is stored back into ``group`` as the list it gave."""
     params = group["params"]
     if isinstance(params, torch.Tensor):
         return [params]
@@ -83,6 +138,8 @@ def group_params(group: Mapping[str, Any], index: int) -> list[torch.Tensor]:
             f"got {_kind(params)}"
         )
     out = list(params)
+    if iter(params) is params and isinstance(group, MutableMapping):
+        group["params"] = out  # consumed: torch's add_param_group would find it empty
     for p in out:
         if not isinstance(p, torch.Tensor):
             raise TypeError(
@@ -180,3 +237,35 @@ def check_options(
                 "rank, as DDP's buckets hold them), got partition='flat'"
             )
     return chosen
+
+
+_SPARSE_GRADS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+def check_grads(params: Iterable[torch.Tensor], optimizer_class: Any) -> None:
+    """Raises ValueError for a sparse gradient where the owner's optimizer (one of torch.optim's
+    classes without sparse support) would refuse it.
+
+    Every rank checks every parameter's gradient, not only those it owns, so the owner is not
+    the only rank to raise (see [Note: checks before collectives]). A gradient of another shape,
+    dtype or device cannot reach here: torch refuses it when ``.grad`` is assigned.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(3))
+        >>> p.grad = torch.zeros(3).to_sparse()
+        >>> check_grads([p], torch.optim.Adam)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: ZeroRedundancyOptimizer.step: expected dense gradients for Adam ...
+    """
+    module = getattr(optimizer_class, "__module__", "")
+    known = isinstance(optimizer_class, type) and module.startswith("torch.optim")
+    if not known or issubclass(optimizer_class, _SPARSE_GRADS):
+        return
+    strided = torch.strided
+    for i, p in enumerate(params):  # the per-step cost: one attribute per parameter
+        g = p.grad
+        if g is not None and g.layout is not strided:
+            raise ValueError(
+                f"{API}.step: expected dense gradients for {optimizer_class.__name__} (it has "
+                f"no sparse support), got a {g.layout} gradient for parameter {i}"
+            )
