@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -210,10 +212,49 @@ def test_plan_reads_a_json_of_shapes_and_a_factory(tmp_path, capsys):
         (["plan", "no-such-model"], "expected a preset"),
         (["plan", "shardopt.testing:no_such_factory"], "cannot load the factory"),
         (["plan", "missing.json"], "cannot read missing.json"),
+        (["plan", "gpt2-small", "--bucket-numel", "-1"], "expected --bucket-numel >= 0"),
+        (["demo", "--backend", "nccl", "--world-size", "9999"], "expected --backend nccl only"),
     ],
 )
-def test_plan_reports_bad_input_on_one_line(argv, message, capsys):
+def test_cli_reports_bad_input_on_one_line_without_a_traceback(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("shardopt plan: error: "), err
+    assert err.startswith(f"shardopt {argv[0]}: error: "), err
     assert message in err, err
+    assert "Traceback" not in err, err
+    assert err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only torch")
+def test_demo_refuses_cuda_where_torch_has_none_on_one_line(capsys):
+    assert main(["demo", "--device", "cuda", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardopt demo: error: demo: expected --device cuda only"), err
+
+
+def test_demo_without_the_demo_extra_says_what_to_install_on_one_line(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a)
+    )
+    assert main(["demo", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "shardopt demo: error: needs tqdm, the [demo] extra: pip install 'shardopt-testing[demo]'\n"
+    )
+
+
+def test_version_names_shardopt_and_torch(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"shardopt 0.1.0 (torch {torch.__version__})\n"
+
+
+def test_plan_finds_a_factory_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cwd_model_for_plan.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(10, 4)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["plan", "cwd_model_for_plan:build", "-w", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == 44

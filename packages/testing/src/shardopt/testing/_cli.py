@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "version_line"]
+
+_EXTRA = {"demo": ("matplotlib", "tqdm"), "bench": ("matplotlib", "tqdm")}  # the [demo] extra
+
+
+def version_line() -> str:
+    """``shardopt <version> (torch <version>)``, from the installed distributions' metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("shardopt-core")
+    except PackageNotFoundError:
+        ours = "unknown"
+    try:
+        theirs = version("torch")
+    except PackageNotFoundError:
+        theirs = "unknown"
+    return f"shardopt {ours} (torch {theirs})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardopt", description="shardopt: sharded optimizers for torch.distributed."
     )
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_parser(commands)
     add_bench_parser(commands)
@@ -37,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    missing = [m for m in _EXTRA.get(args.command, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"shardopt {args.command}: error: needs {' and '.join(missing)}, the [demo] extra: "
+            "pip install 'shardopt-testing[demo]'",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return int(args.run(args))
     except ValueError as exc:

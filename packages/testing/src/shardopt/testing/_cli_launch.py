@@ -85,10 +85,16 @@ def resolve_backend(backend: str, local_ranks: int) -> str:
     """
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"expected backend auto, gloo or nccl, got {backend!r}")
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_nccl_available() and devices >= local_ranks
+    if backend == "nccl" and not nccl:
+        raise ValueError(
+            f"expected --backend nccl only with NCCL and a CUDA device per local rank, got torch "
+            f"{torch.__version__} with {devices} CUDA device(s) for {local_ranks} rank(s)"
+        )
     if backend != "auto":
         return backend
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if dist.is_nccl_available() and devices >= local_ranks else "gloo"
+    return "nccl" if nccl else "gloo"
 
 
 def run_under_torchrun(

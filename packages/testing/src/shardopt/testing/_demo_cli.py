@@ -53,6 +53,8 @@ def add_demo_parser(commands: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo with parsed ``args`` (locally, or in this torchrun process)."""
+    import torch
+
     from shardopt.testing._cli_launch import (
         launch,
         leave_torchrun_worker,
@@ -67,6 +69,11 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"demo: expected --world-size >= 1, got {args.world_size}")
     backend = resolve_backend(args.backend, args.world_size if env is None else 1)
     device = args.device if args.device != "auto" else ("cuda" if backend == "nccl" else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"demo: expected --device cuda only where torch sees a GPU, got torch "
+            f"{torch.__version__} without one (try --device cpu)"
+        )
     config = DemoConfig(
         stage=args.stage,
         steps=args.steps,

@@ -170,7 +170,11 @@ def run_plan(args: argparse.Namespace) -> int:
     """Runs ``shardopt plan`` with parsed ``args``; prints the table or the JSON."""
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     master = None if args.master_dtype is None else getattr(torch, args.master_dtype)
-    bucket = None if args.bucket_numel <= 0 else args.bucket_numel
+    if args.bucket_numel < 0:
+        raise ValueError(
+            f"plan: expected --bucket-numel >= 0 (0: one bucket per group), got {args.bucket_numel}"
+        )
+    bucket = None if args.bucket_numel == 0 else args.bucket_numel
     params = load_params(args.source, dtype)
     predictions = plan_report(
         params,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -92,6 +93,8 @@ def _from_json(path: str) -> list[ParamSpec]:
 
 def _from_factory(target: str) -> list[ParamSpec]:
     module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: modules of this directory
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
