@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import nox
 
@@ -17,17 +19,44 @@ TEST_PATHS = ("README.md", *(f"{p}/tests" for p in PACKAGES), *SOURCE_PATHS)
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+# [Note: one environment]
+# tests, demo, bench and gpu run in one virtual environment, .nox/shared, so the quick start's
+# two commands install torch once. Nox makes a venv per session, so these sessions make none
+# (venv_backend="none") and share ours: created on first use, reinstalled only when its inputs
+# (the pinned requirements, the package list) change, as recorded in its stamp file.
+SHARED = os.path.join(".nox", "shared")
+
+
+def _shared_env(session: nox.Session, *, one_thread: bool = True) -> tuple[str, dict[str, str]]:
+    """Creates or refreshes .nox/shared; returns its scripts folder and the environment that
+    runs commands from it (one intra-op thread per process unless told otherwise)."""
+    bin_dir = os.path.join(SHARED, "Scripts" if os.name == "nt" else "bin")
+    python = os.path.join(bin_dir, "python")
+    with open("ci/requirements.txt") as f:
+        wanted = f.read() + "\n".join(PACKAGES)
+    stamp = pathlib.Path(SHARED, "installed.txt")
+    if not stamp.exists() or stamp.read_text() != wanted:
+        session.run(sys.executable, "-m", "venv", "--clear", SHARED, external=True)
+        pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
+        session.run(*pip, "-r", "ci/requirements.txt", external=True)
+        session.run(*pip, "--no-deps", *(a for p in PACKAGES for a in ("-e", p)), external=True)
+        stamp.write_text(wanted)
+    path = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    threads = THREAD_ENV if one_thread else {}
+    return bin_dir, {**threads, "PATH": path, "VIRTUAL_ENV": os.path.abspath(SHARED)}
+
+
 def _install(session: nox.Session, requirements: str = "ci/requirements.txt") -> None:
     session.install("-r", requirements)
     session.install("--no-deps", *(arg for p in PACKAGES for arg in ("-e", p)))
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Runs the whole suite with pytest-xdist (a run that collects nothing fails: exit 5)."""
-    _install(session)
+    bin_dir, env = _shared_env(session)
     args = session.posargs or ["-n", "auto", "--timeout=600", "--doctest-modules", *TEST_PATHS]
-    session.run("pytest", *args, env=THREAD_ENV)
+    session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
 
 @nox.session
@@ -51,27 +80,33 @@ def typecheck(session: nox.Session) -> None:
     )
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def demo(session: nox.Session) -> None:
     """Trains the demo model on 2 gloo ranks and writes a report and a PNG."""
-    _install(session)
-    session.run("shardopt", "demo", *session.posargs, env=THREAD_ENV)
+    bin_dir, env = _shared_env(session)
+    session.run(os.path.join(bin_dir, "shardopt"), "demo", *session.posargs, env=env, external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks against torch baselines measured in the same run (ratios printed)."""
-    _install(session)
-    session.run("python", "benchmarks/bench_flat_adam.py")
-    session.run("python", "benchmarks/bench_plan.py")
-    session.run("python", "benchmarks/bench_zero_consolidate.py")
-    session.run("python", "benchmarks/bench_zero_step.py")
-    session.run("python", "benchmarks/bench_zero_step_check.py")
-    session.run("shardopt", "bench", *session.posargs, env=THREAD_ENV)
+    bin_dir, env = _shared_env(session)
+    python = os.path.join(bin_dir, "python")
+    for script in (
+        "bench_flat_adam.py",
+        "bench_plan.py",
+        "bench_zero_consolidate.py",
+        "bench_zero_step.py",
+        "bench_zero_step_check.py",
+    ):
+        session.run(python, f"benchmarks/{script}", env=env, external=True)
+    shardopt = os.path.join(bin_dir, "shardopt")
+    session.run(shardopt, "bench", *session.posargs, env=env, external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """GPU-only tests (NCCL/CUDA); they skip where CUDA is absent."""
-    _install(session)
-    session.run("pytest", "-m", "gpu", *(f"{p}/tests" for p in PACKAGES), env=dict(os.environ))
+    bin_dir, env = _shared_env(session, one_thread=False)
+    tests = (f"{p}/tests" for p in PACKAGES)
+    session.run(os.path.join(bin_dir, "pytest"), "-m", "gpu", *tests, env=env, external=True)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardopt.core import (
@@ -369,3 +372,118 @@ def test_load_checkpoint_refuses_another_optimizer_names_or_path_on_every_rank(r
     assert "state keys among" in first[2]
     assert "a readable checkpoint" in first[3]
     assert "count 1" in first[4] or "valid input on every rank" in first[4]
+
+
+class Crash(BaseException):
+    """A process dying at this point (nothing after it runs, no except clause catches it)."""
+
+
+@contextlib.contextmanager
+def crash_at(k: int | None, calls: list[str]) -> Iterator[None]:
+    """Records every filesystem rename and removal inside in ``calls``; the ``k``-th (from 0)
+    raises Crash instead of running (None: none does)."""
+    real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            if len(calls) - 1 == k:
+                raise Crash(name)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    with (
+        mock.patch("os.rename", wrap("rename")),
+        mock.patch("os.replace", wrap("replace")),
+        mock.patch("shutil.rmtree", wrap("rmtree")),
+    ):
+        yield
+
+
+def saved_states(root: str) -> tuple[Any, Any, Any, list[torch.Tensor]]:
+    """(sharded, state after 1 step, state after 2 steps, params): two distinguishable states."""
+    params = initial_params()
+    sharded, state = make_sharded("adam", params, 1, "flat", 1)
+    one = sharded.step(params, grads(0), state)
+    two = sharded.step(params, grads(1), one)
+    return sharded, one, two, params
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of two sharded states (as torch.optim state dicts)."""
+    return state_equal(consolidate_state_dict(a), consolidate_state_dict(b))
+
+
+def loaded(sharded: Any, params: list[torch.Tensor], path: str) -> Any:
+    fresh = sharded.init([torch.zeros_like(p) for p in params])
+    load_checkpoint(fresh, path, names=NAMES)
+    return fresh
+
+
+def crash_every_step(rank: int, world: int, root: str) -> list[str]:
+    """Saves state one, then over it state two with a crash at each filesystem step in turn;
+    after each crash what loads must be one or two, and the next save must leave no leftover."""
+    sharded, one, two, params = saved_states(root)
+    clean: list[str] = []  # the steps of a save over a checkpoint (a leftover beside it too)
+    save_checkpoint(one, os.path.join(root, "count"), names=NAMES)
+    os.mkdir(os.path.join(root, "count.tmp-00000000000000ff"))
+    with crash_at(None, clean):
+        save_checkpoint(two, os.path.join(root, "count"), names=NAMES, overwrite=True)
+    problems = [] if len(clean) >= 4 else [f"an uncrashed save made only the steps {clean}"]
+    for k in range(len(clean)):
+        path = os.path.join(root, f"crash{k}")
+        save_checkpoint(one, path, names=NAMES)
+        os.mkdir(f"{path}.tmp-00000000000000ff")  # a crashed save's leftover
+        # DCP turns a crash inside its own writes into a CheckpointException on every rank
+        with contextlib.suppress(Crash, CheckpointException), crash_at(k, []):
+            save_checkpoint(two, path, names=NAMES, overwrite=True)
+            problems.append(f"step {k}: no crash")
+        got = loaded(sharded, params, path)
+        if not (same(got, one) or same(got, two)):
+            problems.append(f"step {k} ({clean[k]}): loaded neither the old nor the new state")
+        save_checkpoint(one, path, names=NAMES, overwrite=True)
+        left = sorted(n for n in os.listdir(root) if n.startswith(f"crash{k}."))
+        if left or not same(loaded(sharded, params, path), one):
+            problems.append(f"step {k}: the next save left {left} or did not publish")
+    return problems
+
+
+def test_a_crash_at_any_step_of_a_save_leaves_the_old_or_the_new_checkpoint(run_world, tmp_path):
+    (problems,) = run_world(crash_every_step, 1, str(tmp_path))
+    assert problems == []
+
+
+def crash_between_renames(rank: int, world: int, root: str) -> tuple[bool, bool, list[str]]:
+    """The one crash that leaves nothing at the path: after the old checkpoint moved aside."""
+    sharded, one, two, params = saved_states(root)
+    path = os.path.join(root, "ckpt")
+    save_checkpoint(one, path, names=NAMES)
+    calls: list[str] = []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        calls.append(os.fspath(dst))
+        if os.fspath(dst) == path:  # the commit: crash just before it
+            raise Crash(dst)
+        real_rename(src, dst)
+
+    with contextlib.suppress(Crash), mock.patch("os.rename", rename):
+        save_checkpoint(two, path, names=NAMES, overwrite=True)
+    gone = not os.path.lexists(path)
+    old_state = same(loaded(sharded, params, path), one)
+    try:
+        save_checkpoint(two, path, names=NAMES)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    return gone and old_state, "expected a path that does not exist" in refused, calls
+
+
+def test_a_crash_between_the_renames_loads_the_old_checkpoint_and_counts_it_as_existing(
+    run_world, tmp_path
+):
+    (recovered, refused, calls) = run_world(crash_between_renames, 1, str(tmp_path))[0]
+    assert any(".old-" in c for c in calls), calls
+    assert recovered
+    assert refused

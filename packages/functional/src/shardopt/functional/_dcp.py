@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -39,11 +40,18 @@ OPTIM_KEY = "optim"
 # DCP writes a directory file by file, its ``.metadata`` last (on the coordinator, once every
 # rank's writes are done). A crash mid-way would leave a directory that looks like a checkpoint
 # at ``path``. So every rank writes into ``<path>.tmp-<token>`` (``token`` drawn on rank 0 and
-# broadcast as a tensor), and only after ``dcp.save`` returned everywhere and a barrier does rank
-# 0 rename it to ``path`` (an existing checkpoint, with ``overwrite``, is first renamed aside and
-# removed after). A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP
+# broadcast as a tensor); after ``dcp.save`` returned everywhere and a barrier, rank 0 alone
+# publishes, with no collective until it is done:
+#   1. an existing checkpoint at ``path`` is renamed to ``<path>.old-<token>``;
+#   2. the temporary directory is renamed to ``path`` (the commit point);
+#   3. every leftover of ``path`` (``.old-*``, and ``.tmp-*`` of crashed saves) is removed.
+# A crash before 1 leaves the old checkpoint at ``path``; after 2, the new one. Between 1 and 2
+# nothing is at ``path`` but exactly one ``.old-*`` holds the last published checkpoint (a
+# later save removes it only after publishing its own): ``load_checkpoint`` reads it there, and
+# ``save_checkpoint`` counts it as existing. A crash during 3 leaves leftovers that the next
+# publish removes. A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP
 # gathers the results); rank 0 then removes the temporary directory, so ``path`` is untouched.
-# Rank 0 broadcasts whether the rename succeeded, so every rank returns or raises alike.
+# Rank 0 broadcasts whether the publish succeeded, so every rank returns or raises alike.
 
 
 def _piece_tensor(shape: tuple[int, ...], piece: Piece, flat: torch.Tensor) -> torch.Tensor:
@@ -115,13 +123,32 @@ def _agree_on_rank0(api: str, error: BaseException | None, group: ProcessGroup) 
 
 
 def _publish(tmp: str, target: str, token: int) -> None:
-    old = None
+    """Steps 1-3 of [Note: atomic checkpoints], on rank 0."""
     if os.path.lexists(target):
-        old = f"{target}.old-{token:016x}"
-        os.rename(target, old)
+        os.rename(target, f"{target}.old-{token:016x}")
     os.rename(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    for leftover in _leftovers(target):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _leftovers(target: str) -> list[str]:
+    """The ``<target>.tmp-<token>`` and ``<target>.old-<token>`` directories beside ``target``."""
+    parent, base = os.path.split(target)
+    pattern = re.compile(re.escape(base) + r"\.(tmp|old)-[0-9a-f]{16}")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    return sorted(os.path.join(parent, n) for n in names if pattern.fullmatch(n))
+
+
+def _published(target: str) -> str | None:
+    """Where the checkpoint published at ``target`` is: ``target``, or the one ``.old-*`` a
+    crash between steps 1 and 2 of [Note: atomic checkpoints] left; None if there is none."""
+    if os.path.lexists(target):
+        return target
+    olds = [p for p in _leftovers(target) if ".old-" in os.path.basename(p)]
+    return olds[0] if len(olds) == 1 else None
 
 
 def save_checkpoint(
@@ -180,7 +207,7 @@ def save_checkpoint(
     groups = param_group_dicts(api, plan, param_groups, key_of)
     target = os.path.abspath(os.fspath(path))
     error = _common_checks(state, extra)
-    if error is None and rank == 0 and os.path.lexists(target) and not overwrite:
+    if error is None and rank == 0 and _published(target) is not None and not overwrite:
         error = f"a path that does not exist (or overwrite=True), got {target!r}"
     agree_across_ranks(api, error, fingerprint(plan, (target, key_of)), group)
     token = _shared_token(group)
@@ -274,7 +301,8 @@ def load_checkpoint(
     layout.wait_params()  # [Note: deferred parameter sync]
     keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
-    source = os.path.abspath(os.fspath(path))
+    asked = os.path.abspath(os.fspath(path))
+    source = _published(asked) or asked  # after a crash mid-publish: [Note: atomic checkpoints]
     error = _common_checks(state, extra)
     present: list[bool] = []
     masters: list[bool] = []
@@ -287,7 +315,7 @@ def load_checkpoint(
             error, present, masters = _check_metadata(api, state, keys, key_of, md)
     if error is None:
         error = _fresh_where_absent(state, keys, key_of, present)
-    agree_across_ranks(api, error, fingerprint(plan, (source, key_of)), group)
+    agree_across_ranks(api, error, fingerprint(plan, (asked, key_of)), group)
     optim = _optim_dict(state, keys, key_of, lambda t, k: present[t], masters.__getitem__)
     sd = {OPTIM_KEY: optim, **(extra or {})}
     dcp.load(sd, storage_reader=FileSystemReader(source), process_group=group)
