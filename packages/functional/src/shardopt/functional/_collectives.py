@@ -84,10 +84,11 @@ def resolve_algorithm(
     return Algorithm.EXCHANGE if gloo and device.type == "cpu" else Algorithm.COLLECTIVE
 
 
-def comm_device(group: ProcessGroup) -> torch.device:
-    """The device of small control tensors for ``group``: CUDA under NCCL alone, else the CPU."""
+def comm_device(group: ProcessGroup, default: torch.device | None = None) -> torch.device:
+    """Where tensors travel in ``group``: under NCCL ``default`` (e.g. the parameters' device)
+    or else the current CUDA device; the CPU under any other backend."""
     if str(dist.get_backend(group)).lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return default if default is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "StateField",
     "StepStats",
     "flatten_state",
+    "init_values",
     "piece_slots",
     "probe_fields",
     "slice_state",
@@ -205,3 +206,21 @@ def slice_state(inner: Any, n: int, lo: int, hi: int) -> Any:
     is_field = _field_pred(n)
     leaves, spec = pytree.tree_flatten(inner, is_leaf=is_field)
     return pytree.tree_unflatten([x[lo:hi] if is_field(x) else x for x in leaves], spec)
+
+
+def init_values(tx: Transformation, dtypes: Sequence[torch.dtype]) -> dict[str, list[float]]:
+    """Each field's initial value per plan group (every element starts alike).
+
+    Example:
+        >>> from shardopt.core import rprop
+        >>> init_values(rprop(lr=0.5), [torch.float32])["[0].step_size"]
+        [0.5]
+    """
+    state = tx.init([torch.zeros(2, dtype=d) for d in dtypes])
+    is_field = _field_pred(len(dtypes))
+    leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=is_field)
+    return {
+        _key(path): [e.reshape(-1)[0].item() for e in leaf]
+        for path, leaf in leaves
+        if is_field(leaf) and all(isinstance(e, torch.Tensor) for e in leaf)
+    }

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from shardopt.functional._local_sgd import (
+from shardopt.functional import averaging_due
+from shardopt.functional.engine import (
     ProcessGroup,
-    averaging_due,
     check_schedule,
     resolve_group,
 )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from shardopt.functional._local_sgd import (
+from shardopt.functional.engine import (
     ProcessGroup,
     average_flat,
     check_averageable,

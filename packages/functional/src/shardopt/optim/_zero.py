@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardopt.core import Plan
-from shardopt.functional._validate import describe
+from shardopt.functional.engine import comm_device, describe
 from shardopt.optim._zero_engine import EngineSync
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
@@ -39,7 +39,7 @@ from shardopt.optim._zero_state_dict import (
     local_states,
     saved_entries,
 )
-from shardopt.optim._zero_transport import comm_device, on_device
+from shardopt.optim._zero_transport import on_device
 
 __all__ = ["ZeroRedundancyOptimizer"]
 

@@ -9,8 +9,7 @@ import torch
 
 from shardopt.core import Plan
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
-from shardopt.functional._layout import build_layout
-from shardopt.functional._param_sync import StagedSync, broadcast_tensors
+from shardopt.functional.engine import StagedSync, broadcast_tensors, build_layout
 
 __all__ = ["EngineSync"]
 

@@ -10,12 +10,10 @@ import torch
 
 from shardopt.core import Plan, Transformation, plan_partition
 from shardopt.functional import ShardedState, ShardedTransformation, shard
-from shardopt.functional._collectives import ProcessGroup
-from shardopt.functional._state import probe_fields
+from shardopt.functional.engine import ProcessGroup, init_values, probe_fields
 from shardopt.optim._core_mapping import plan_local_optimizer
 from shardopt.optim._zero_flat_state import (
     consolidate_flat,
-    init_values,
     load_flat,
     piece_entries,
 )

@@ -6,16 +6,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from shardopt.core import Transformation
 from shardopt.functional import ShardedState, consolidate_state_dict, load_torch_state_dict
-from shardopt.functional._checkpoint_keys import field_keys, has_state, piece_slots, piece_value
-from shardopt.functional._collectives import ProcessGroup
-from shardopt.functional._state import _field_pred, _key
+from shardopt.functional.engine import (
+    ProcessGroup,
+    field_keys,
+    has_state,
+    piece_slots,
+    piece_value,
+)
 from shardopt.optim._zero_transport import to_cpu
 
-__all__ = ["consolidate_flat", "init_values", "load_flat", "piece_entries"]
+__all__ = ["consolidate_flat", "load_flat", "piece_entries"]
 
 API = "ZeroRedundancyOptimizer"
 
@@ -63,24 +65,6 @@ def consolidate_flat(
         if sd is not None:
             out.update({index[t]: to_cpu(entry) for t, entry in sd["state"].items()})
     return out if torch.distributed.get_rank(group) == to else None
-
-
-def init_values(tx: Transformation, dtypes: Sequence[torch.dtype]) -> dict[str, list[float]]:
-    """Each field's initial value per plan group (every element starts alike).
-
-    Example:
-        >>> from shardopt.core import rprop
-        >>> init_values(rprop(lr=0.5), [torch.float32])["[0].step_size"]
-        [0.5]
-    """
-    state = tx.init([torch.zeros(2, dtype=d) for d in dtypes])
-    is_field = _field_pred(len(dtypes))
-    leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=is_field)
-    return {
-        _key(path): [e.reshape(-1)[0].item() for e in leaf]
-        for path, leaf in leaves
-        if is_field(leaf) and all(isinstance(e, torch.Tensor) for e in leaf)
-    }
 
 
 def load_flat(unit: Any, entries: Sequence[dict[str, Any] | None]) -> None:

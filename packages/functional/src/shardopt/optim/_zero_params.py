@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
+from shardopt.functional.engine import agree_across_ranks, describe, fingerprint
 from shardopt.optim._core_mapping import CORE_FACTORIES
 from shardopt.optim._zero_transport import on_device
 

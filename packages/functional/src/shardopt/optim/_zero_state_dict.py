@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardopt.functional._collectives import ProcessGroup
+from shardopt.functional.engine import ProcessGroup
 from shardopt.optim._zero_transport import (
     gather_objects,
     pack_tensors,

@@ -9,10 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardopt.functional._collectives import ProcessGroup
+from shardopt.functional.engine import ProcessGroup
 
 __all__ = [
-    "comm_device",
     "gather_objects",
     "on_device",
     "pack_tensors",
@@ -36,13 +35,6 @@ __all__ = [
 # or an optimizer that loads the dict, change it).
 
 ALIGN = 16  # bytes: every packed tensor starts at a multiple, so it can be viewed in its dtype
-
-
-def comm_device(group: ProcessGroup, default: torch.device) -> torch.device:
-    """Where state travels: the parameters' device under NCCL, the CPU otherwise."""
-    if str(dist.get_backend(group)).lower() == "nccl":
-        return default
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager

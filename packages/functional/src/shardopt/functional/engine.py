@@ -1,0 +1,44 @@
+"""The engine's building blocks, public for code that builds sharded optimizers on it.
+
+``shardopt.functional`` exports what a training loop calls (``shard``, the hooks, checkpoints);
+this module exports what an optimizer built on the engine needs besides (``shardopt.optim``'s
+ZeroRedundancyOptimizer and model averagers use nothing else): the layout and its parameter
+syncs, the cross-rank agreement ([Note: cross-rank validation]), the torch names and per-piece
+views of a sharded state, and the local-SGD schedule and averaging helpers.
+"""
+
+from shardopt.functional._checkpoint_keys import field_keys, has_state, piece_value
+from shardopt.functional._collectives import ProcessGroup, comm_device
+from shardopt.functional._layout import build_layout
+from shardopt.functional._local_sgd import (
+    average_flat,
+    check_averageable,
+    check_schedule,
+    in_group,
+    resolve_group,
+)
+from shardopt.functional._param_sync import StagedSync, broadcast_tensors
+from shardopt.functional._state import init_values, piece_slots, probe_fields
+from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
+
+__all__ = [
+    "ProcessGroup",
+    "StagedSync",
+    "agree_across_ranks",
+    "average_flat",
+    "broadcast_tensors",
+    "build_layout",
+    "check_averageable",
+    "check_schedule",
+    "comm_device",
+    "describe",
+    "field_keys",
+    "fingerprint",
+    "has_state",
+    "in_group",
+    "init_values",
+    "piece_slots",
+    "piece_value",
+    "probe_fields",
+    "resolve_group",
+]
