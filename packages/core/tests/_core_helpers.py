@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt.core import tree_map
+from shardopt.core.blocks import tree_map
 
 Schedule = Callable[[torch.Tensor], Any]
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import Transformation, apply_updates, tree_leaves
+from shardopt.core import Transformation, apply_updates
+from shardopt.core.blocks import tree_leaves
 
 # [Note: shared test helpers]
 # Fixtures live here; plain helpers and parameter tables that several test modules share (gradient

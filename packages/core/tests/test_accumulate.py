@@ -19,8 +19,8 @@ from shardopt.core import (
     multi_steps,
     scale,
     scale_by_learning_rate,
-    tree_leaves,
 )
+from shardopt.core.blocks import tree_leaves
 
 INNERS: dict[str, Callable[[], Transformation]] = {
     "decay+lr": lambda: chain(add_decayed_weights(0.01), scale_by_learning_rate(0.1)),

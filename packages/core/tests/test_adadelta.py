@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt.core import adadelta, tree_leaves, warmup_cosine_decay
+from shardopt.core import adadelta, warmup_cosine_decay
+from shardopt.core.blocks import tree_leaves
 
 from _core_helpers import assert_rejected_like_torch, option_id, scheduled, skip_every_third
 

@@ -13,20 +13,22 @@ from shardopt.core import (
     add_decayed_weights,
     apply_updates,
     chain,
-    flat_rule,
     identity,
-    init_count,
-    leafwise,
     linear_warmup,
     multi_steps,
     scale,
     scale_by_learning_rate,
-    tree_leaves,
-    tree_map,
     update_flat_,
-    with_flat_rule,
 )
 from shardopt.core._tree import zeros_like_tree
+from shardopt.core.blocks import (
+    flat_rule,
+    init_count,
+    leafwise,
+    tree_leaves,
+    tree_map,
+    with_flat_rule,
+)
 
 
 def test_identity_returns_the_updates_and_state_objects_unchanged() -> None:

@@ -22,9 +22,8 @@ from shardopt.core import (
     partition,
     scale,
     scale_by_learning_rate,
-    tree_leaves,
-    tree_map,
 )
+from shardopt.core.blocks import tree_leaves, tree_map
 
 
 def is_matrix(params: Any) -> Any:

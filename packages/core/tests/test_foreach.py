@@ -8,14 +8,8 @@ import pytest
 import torch
 
 import shardopt.core
-from shardopt.core import (
-    Transformation,
-    apply_updates,
-    flat_rule,
-    linear_warmup,
-    tree_leaves,
-    update_flat_,
-)
+from shardopt.core import Transformation, apply_updates, linear_warmup, update_flat_
+from shardopt.core.blocks import flat_rule, tree_leaves
 
 SIZES = (1, 17, 1000)
 STEPS = 20

@@ -21,9 +21,8 @@ from shardopt.core import (
     multi_steps,
     partition,
     scale_by_learning_rate,
-    tree_leaves,
-    tree_map,
 )
+from shardopt.core.blocks import tree_leaves, tree_map
 
 from _core_helpers import FACTORY_CASES, case_id, decay_label, is_matrix
 

@@ -14,13 +14,12 @@ from shardopt.core import (
     adam,
     adamw,
     apply_updates,
-    flat_rule,
     linear_warmup,
     sgd,
-    tree_leaves,
     update_flat_,
 )
 from shardopt.core._fused import FUSED_DEVICES, Kernel, select_kernel, split_state
+from shardopt.core.blocks import flat_rule, tree_leaves
 
 from _core_helpers import option_id
 

@@ -22,8 +22,8 @@ from shardopt.core import (
     multi_steps,
     partition,
     scale_by_learning_rate,
-    tree_leaves,
 )
+from shardopt.core.blocks import tree_leaves
 
 from _core_helpers import FACTORY_CASES, case_id, decay_label, is_matrix
 

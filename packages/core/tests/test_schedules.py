@@ -19,10 +19,10 @@ from shardopt.core import (
     cosine_decay,
     join_schedules,
     linear_warmup,
-    resolve,
     scale_by_learning_rate,
     warmup_cosine_decay,
 )
+from shardopt.core.blocks import resolve
 
 
 def at(schedule: Schedule, count: float) -> float:

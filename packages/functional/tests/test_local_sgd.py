@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.distributed.algorithms.model_averaging.averagers as torch_averagers
 from torch.func import grad
 
-from shardopt.core import scale_by_learning_rate, sgd, tree_leaves
+from shardopt.core import scale_by_learning_rate, sgd
+from shardopt.core.blocks import tree_leaves
 from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.testing import spawn
 

@@ -1,10 +1,14 @@
-"""shardopt.core: pure, JAX-style optimizers that match torch.optim, and partition planners."""
+"""shardopt.core: pure, JAX-style optimizers that match torch.optim, and partition planners.
+
+What a training loop calls is here; the building blocks for writing new transformations (tree
+helpers, ``leafwise``, flat rules, the validated configs of the fused optimizers) are in
+:mod:`shardopt.core.blocks`.
+"""
 
 from shardopt.core._accumulate import MultiStepsState, multi_steps
 from shardopt.core._adadelta import ScaleByAdadeltaState, adadelta
-from shardopt.core._adagrad import AdagradConfig, ScaleByAdagradState, adagrad, scale_by_adagrad
+from shardopt.core._adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
 from shardopt.core._adam import (
-    AdamConfig,
     ScaleByAdamState,
     adam,
     adamw,
@@ -18,11 +22,10 @@ from shardopt.core._base import (
     apply_updates,
     chain,
     identity,
-    init_count,
 )
 from shardopt.core._clipping import clip, clip_by_global_norm, global_norm
 from shardopt.core._combinators import MaskedState, PartitionState, masked, partition
-from shardopt.core._flat import FlatRule, flat_rule, update_flat_, with_flat_rule
+from shardopt.core._flat import update_flat_
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._plan import (
     DEFAULT_BUCKET_NUMEL,
@@ -44,40 +47,26 @@ from shardopt.core._schedules import (
     cosine_decay,
     join_schedules,
     linear_warmup,
-    resolve,
     warmup_cosine_decay,
 )
-from shardopt.core._sgd import SGDConfig, TraceState, sgd, step_by_learning_rate, trace
+from shardopt.core._sgd import TraceState, sgd, step_by_learning_rate, trace
 from shardopt.core._transforms import (
     ScaleByScheduleState,
     add_decayed_weights,
     scale,
     scale_by_learning_rate,
 )
-from shardopt.core._tree import (
-    PyTree,
-    leafwise,
-    tree_leaves,
-    tree_map,
-    tree_structure,
-    zeros_like_tree,
-)
 
 __all__ = [
-    "AdagradConfig",
-    "AdamConfig",
-    "EmptyState",
     "Bucket",
     "DEFAULT_BUCKET_NUMEL",
+    "EmptyState",
     "FlatGroup",
-    "FlatRule",
     "MaskedState",
     "MultiStepsState",
     "PartitionState",
     "Piece",
     "Plan",
-    "PyTree",
-    "SGDConfig",
     "ScalarOrSchedule",
     "ScaleByAdadeltaState",
     "ScaleByAdagradState",
@@ -106,12 +95,9 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "cosine_decay",
-    "flat_rule",
     "global_norm",
     "identity",
-    "init_count",
     "join_schedules",
-    "leafwise",
     "linear_warmup",
     "masked",
     "multi_steps",
@@ -119,7 +105,6 @@ __all__ = [
     "partition",
     "plan_partition",
     "radam",
-    "resolve",
     "rmsprop",
     "rprop",
     "scale",
@@ -130,11 +115,6 @@ __all__ = [
     "sgd",
     "step_by_learning_rate",
     "trace",
-    "tree_leaves",
-    "tree_map",
-    "tree_structure",
     "update_flat_",
     "warmup_cosine_decay",
-    "with_flat_rule",
-    "zeros_like_tree",
 ]

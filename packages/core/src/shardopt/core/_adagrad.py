@@ -8,13 +8,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt.core._adam import divide_learning_rate
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import expect_nonnegative
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_adagrad_
+from shardopt.core._scalars import cast_like, divide_learning_rate, is_zero
 from shardopt.core._schedules import ScalarOrSchedule, resolve
-from shardopt.core._sgd import cast_like, is_zero
 from shardopt.core._transforms import add_decayed_weights, scale
 from shardopt.core._tree import PyTree, leafwise, tree_map
 

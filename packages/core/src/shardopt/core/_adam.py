@@ -12,8 +12,14 @@ from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_adam_
+from shardopt.core._scalars import (
+    cast_like,
+    divide_learning_rate,
+    is_zero,
+    learning_rate_at,
+    python_float_pow_half,
+)
 from shardopt.core._schedules import ScalarOrSchedule, resolve
-from shardopt.core._sgd import cast_like, is_zero, learning_rate_at
 from shardopt.core._transforms import ScaleByScheduleState, add_decayed_weights, scale
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -37,29 +43,6 @@ class ScaleByAdamState(NamedTuple):
     mu: PyTree
     nu: PyTree
     nu_max: PyTree | None = None
-
-
-def python_float_pow_half(x: torch.Tensor) -> torch.Tensor:
-    """``x ** 0.5`` for a float64 ``x`` standing for a Python float: C ``pow``, not ``sqrt``.
-
-    [Note: scalar arithmetic of the count]
-    torch turns the step into a Python float and computes ``1 - beta ** step``, ``lr / bc1`` and
-    ``bc2 ** 0.5`` in double precision; we compute them as float64 0-d tensors so they trace under
-    ``torch.func``. ``pow``, ``-`` and ``/`` round the same way, with two traps: ``float ** 0.5``
-    calls C ``pow``, which differs from ``sqrt`` in the last bit for some inputs, while a tensor
-    ``** 0.5`` is lowered to ``sqrt`` (a tensor exponent keeps ``pow``); and ``float / tensor``
-    is ``reciprocal(tensor) * float`` in torch, which rounds twice. Where torch itself computes
-    with tensors (a tensor lr or tensor betas) we use its very expressions.
-    """
-    return x ** torch.full_like(x, 0.5)
-
-
-def divide_learning_rate(lr: float | torch.Tensor, by: torch.Tensor) -> torch.Tensor:
-    """torch's ``lr / by`` for a Python-float ``by`` held in float64: in double precision for a
-    float ``lr``, in ``lr``'s dtype for a tensor ``lr`` (``tensor / float``)."""
-    if isinstance(lr, torch.Tensor):
-        return lr / by.to(lr.dtype)
-    return torch.full_like(by, lr) / by
 
 
 def tensor_pow(base: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -4,26 +4,65 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from shardopt.core._base import EmptyState
+from shardopt.core._base import EmptyState, Transformation
 from shardopt.core._flat import update_flat_
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._transforms import ScaleByScheduleState
 from shardopt.core._tree import tree_leaves
-
-if TYPE_CHECKING:
-    from shardopt.core._adagrad import AdagradConfig
-    from shardopt.core._adam import AdamConfig
-    from shardopt.core._sgd import SGDConfig
 
 __all__ = ["Kernel", "select_kernel", "update_adagrad_", "update_adam_", "update_sgd_"]
 
 T = TypeVar("T")
 Tensors = list[torch.Tensor]
 Lr = float | torch.Tensor
+
+
+class _Config(Protocol):
+    """What the rules read of an optimizer's validated config (``SGDConfig`` and the others, in
+    the optimizers' modules, frozen dataclasses; typed by shape here, so that this module
+    imports none of the optimizers that import it). Read-only: declared as properties."""
+
+    @property
+    def lr(self) -> ScalarOrSchedule: ...
+    @property
+    def weight_decay(self) -> float | torch.Tensor: ...
+    @property
+    def maximize(self) -> bool: ...
+    def build(self) -> Transformation: ...
+
+
+class SGDLike(_Config, Protocol):
+    @property
+    def momentum(self) -> float: ...
+    @property
+    def dampening(self) -> float: ...
+    @property
+    def nesterov(self) -> bool: ...
+
+
+class AdamLike(_Config, Protocol):
+    @property
+    def eps(self) -> float: ...
+    @property
+    def betas(self) -> tuple[float | torch.Tensor, float | torch.Tensor]: ...
+    @property
+    def amsgrad(self) -> bool: ...
+    @property
+    def decoupled_weight_decay(self) -> bool: ...
+    def step_scalars(self, count: torch.Tensor, lr: Lr) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class AdagradLike(_Config, Protocol):
+    @property
+    def eps(self) -> float: ...
+    @property
+    def lr_decay(self) -> float: ...
+    def step_size(self, count: torch.Tensor, lr: Lr) -> torch.Tensor: ...
+
 
 # [Note: flat rules]
 # A rule (see [Note: flat fast path]) drops the parameters without a gradient, picks a kernel for
@@ -228,7 +267,7 @@ def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
 # compare it with torch.optim.SGD(fused=True).
 
 
-def update_sgd_(config: SGDConfig, params: Tensors, grads: list[Any], state: Any) -> None:
+def update_sgd_(config: SGDLike, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.sgd` (see [Note: flat rules] and
     [Note: SGD on CPU is foreach])."""
     damped = config.momentum != 0 and config.dampening != 0
@@ -238,7 +277,7 @@ def update_sgd_(config: SGDConfig, params: Tensors, grads: list[Any], state: Any
     _drive(config, params, grads, state, kernels, fused_on=fused_on, supported=plain)
 
 
-def _fused_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _fused_sgd(config: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
     # Zero buffers make is_first_step unnecessary: see [Note: momentum buffer starts at zero].
     bufs = lists.get("momentum", [])
     for group in _fused_groups(ps, lrs):
@@ -258,7 +297,7 @@ def _fused_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: li
         torch._foreach_add_(lists["count"], 1)
 
 
-def _foreach_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _foreach_sgd(config: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
     gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
     if config.momentum != 0:
         bufs, counts = lists["momentum"], lists["count"]
@@ -283,14 +322,14 @@ def _foreach_sgd(config: SGDConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: 
 # to float32 tolerances against torch.optim, which a sharded step meets.
 
 
-def update_adam_(config: AdamConfig, params: Tensors, grads: list[Any], state: Any) -> None:
+def update_adam_(config: AdamLike, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
     plain = not any(isinstance(x, torch.Tensor) for x in (*config.betas, config.weight_decay))
     kernels = {Kernel.FUSED: _fused_adam, Kernel.FOREACH: _foreach_adam}
     _drive(config, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
-def _fused_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _fused_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
     fn = torch._fused_adamw_ if config.decoupled_weight_decay else torch._fused_adam_
     maxs = lists.get("nu_max", [])
     for group in _fused_groups(ps, lrs):
@@ -313,7 +352,7 @@ def _fused_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: 
         )
 
 
-def _foreach_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _foreach_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
     b1, b2 = float(config.betas[0]), float(config.betas[1])
     wd, decoupled = float(config.weight_decay), config.decoupled_weight_decay
     gs = _prepare_grads(config.maximize, 0.0 if decoupled else wd, ps, gs)
@@ -339,7 +378,7 @@ def _foreach_adam(config: AdamConfig, ps: Tensors, gs: Tensors, lists: dict, lrs
 # Adagrad -------------------------------------------------------------------------------------
 
 
-def update_adagrad_(config: AdagradConfig, params: Tensors, grads: list[Any], state: Any) -> None:
+def update_adagrad_(config: AdagradLike, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.adagrad` (see [Note: flat rules])."""
     plain = not isinstance(config.weight_decay, torch.Tensor)
     kernels = {Kernel.FUSED: _fused_adagrad, Kernel.FOREACH: _foreach_adagrad}
@@ -347,7 +386,7 @@ def update_adagrad_(config: AdagradConfig, params: Tensors, grads: list[Any], st
 
 
 def _fused_adagrad(
-    config: AdagradConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
+    config: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
 ) -> None:
     for group in _fused_groups(ps, lrs):
         steps = _pick(lists["count"], group)
@@ -366,7 +405,7 @@ def _fused_adagrad(
 
 
 def _foreach_adagrad(
-    config: AdagradConfig, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
+    config: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
 ) -> None:
     gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
     sums, counts = lists["sum"], lists["count"]

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec, short
+from shardopt.core._plan_spec import Bucket, FlatGroup, Strategy, TensorSpec, short
 
-if TYPE_CHECKING:
-    from shardopt.core._plan import Plan
-
-__all__ = ["plan_fields", "plan_to_dict"]
+__all__ = ["PlanData", "plan_fields", "plan_to_dict"]
 
 _FORMAT_VERSION = 2
 _KEYS = {
@@ -25,7 +22,27 @@ _KEYS = {
 }
 
 
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
+class PlanData(Protocol):
+    """What :func:`plan_to_dict` reads of a Plan (typed by shape: ``_plan`` imports this module,
+    not the other way round)."""
+
+    @property
+    def strategy(self) -> Strategy: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def align(self) -> int: ...
+    @property
+    def bucket_numel(self) -> int | None: ...
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]: ...
+    @property
+    def groups(self) -> tuple[FlatGroup, ...]: ...
+    @property
+    def owners(self) -> tuple[int, ...] | None: ...
+
+
+def plan_to_dict(plan: PlanData) -> dict[str, Any]:
     """``plan`` as plain JSON-compatible data (the body of :meth:`Plan.to_dict`).
 
     Example:

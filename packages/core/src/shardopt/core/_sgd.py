@@ -12,34 +12,12 @@ from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_sgd_
-from shardopt.core._schedules import ScalarOrSchedule, resolve
+from shardopt.core._scalars import is_zero, learning_rate_at
+from shardopt.core._schedules import ScalarOrSchedule
 from shardopt.core._transforms import ScaleByScheduleState, add_decayed_weights, scale
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
 __all__ = ["SGDConfig", "TraceState", "sgd", "step_by_learning_rate", "trace"]
-
-
-def is_zero(value: float | torch.Tensor) -> bool:
-    """True for a float equal to 0; a tensor counts as non-zero (its value is not read)."""
-    return not isinstance(value, torch.Tensor) and value == 0
-
-
-def cast_like(value: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
-    """A scalar tensor in ``like``'s dtype, as torch casts a Python scalar operand.
-
-    Needed because two 0-d tensors promote to the wider dtype: a float64 step size would turn a
-    0-d float32 parameter's update into float64 arithmetic.
-    """
-    return value.to(like.dtype) if isinstance(value, torch.Tensor) else value
-
-
-def learning_rate_at(
-    learning_rate: ScalarOrSchedule, counts: tuple[torch.Tensor, ...]
-) -> float | torch.Tensor:
-    """A schedule's value at ``counts[0]`` (the parameter's count), or the float or tensor lr."""
-    if callable(learning_rate):
-        return resolve(learning_rate, counts[0])
-    return learning_rate
 
 
 def step_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transformation:

@@ -10,14 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from shardopt.core import (
-    PyTree,
-    Transformation,
-    apply_updates,
-    tree_leaves,
-    tree_map,
-    tree_structure,
-)
+from shardopt.core import Transformation, apply_updates
+from shardopt.core.blocks import PyTree, tree_leaves, tree_map, tree_structure
 
 __all__ = ["average_params", "averaging_due", "local_sgd_step"]
 

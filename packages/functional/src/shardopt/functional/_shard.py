@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shardopt.core import Plan, PyTree, Transformation, tree_leaves
+from shardopt.core import Plan, Transformation
+from shardopt.core.blocks import PyTree, tree_leaves
 from shardopt.functional._clip import Health, clip_coefficient, global_health, scale_grads
 from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer

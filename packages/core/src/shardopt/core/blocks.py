@@ -1,0 +1,39 @@
+"""Building blocks for writing transformations (and sharded optimizers) on shardopt.core.
+
+A training loop needs none of these; a new optimizer or an engine on top of core does: pytree
+helpers, ``leafwise`` (one rule per leaf, with counts), ``init_count``, schedules' ``resolve``,
+flat rules (the fast path over flat buffers, see [Note: flat fast path]) and the validated configs
+that the fused optimizers run from.
+"""
+
+from shardopt.core._adagrad import AdagradConfig
+from shardopt.core._adam import AdamConfig
+from shardopt.core._base import init_count
+from shardopt.core._flat import FlatRule, flat_rule, with_flat_rule
+from shardopt.core._schedules import resolve
+from shardopt.core._sgd import SGDConfig
+from shardopt.core._tree import (
+    PyTree,
+    leafwise,
+    tree_leaves,
+    tree_map,
+    tree_structure,
+    zeros_like_tree,
+)
+
+__all__ = [
+    "AdagradConfig",
+    "AdamConfig",
+    "FlatRule",
+    "PyTree",
+    "SGDConfig",
+    "flat_rule",
+    "init_count",
+    "leafwise",
+    "resolve",
+    "tree_leaves",
+    "tree_map",
+    "tree_structure",
+    "with_flat_rule",
+    "zeros_like_tree",
+]
