@@ -2,8 +2,9 @@
 
 A training loop needs none of these; a new optimizer or an engine on top of core does: pytree
 helpers, ``leafwise`` (one rule per leaf, with counts), ``init_count``, schedules' ``resolve``,
-flat rules (the fast path over flat buffers, see [Note: flat fast path]) and the validated configs
-that the fused optimizers run from.
+flat rules (the fast path over flat buffers, see [Note: flat fast path]), the validated configs
+that the fused optimizers run from, and the torch compatibility record of every optimizer
+([Note: torch compatibility records]).
 """
 
 from shardopt.core._adagrad import AdagradConfig
@@ -12,6 +13,7 @@ from shardopt.core._base import init_count
 from shardopt.core._flat import FlatRule, flat_rule, with_flat_rule
 from shardopt.core._schedules import resolve
 from shardopt.core._sgd import SGDConfig
+from shardopt.core._torch_compat import TORCH_COMPAT, TorchCompat, torch_compat
 from shardopt.core._tree import (
     PyTree,
     leafwise,
@@ -22,15 +24,18 @@ from shardopt.core._tree import (
 )
 
 __all__ = [
+    "TORCH_COMPAT",
     "AdagradConfig",
     "AdamConfig",
     "FlatRule",
     "PyTree",
     "SGDConfig",
+    "TorchCompat",
     "flat_rule",
     "init_count",
     "leafwise",
     "resolve",
+    "torch_compat",
     "tree_leaves",
     "tree_map",
     "tree_structure",

@@ -10,17 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import (
-    ScaleByAdadeltaState,
-    ScaleByAdagradState,
-    ScaleByAdamaxState,
-    ScaleByAdamState,
-    ScaleByNadamState,
-    ScaleByRadamState,
-    ScaleByRmsState,
-    ScaleByRpropState,
-    TraceState,
-)
+from shardopt.core.blocks import TORCH_COMPAT
 from shardopt.functional._layout import FlatLayout
 from shardopt.functional._state import FieldKind, ShardedState, StateField, piece_slots
 
@@ -49,53 +39,14 @@ class OptimizerKeys(NamedTuple):
 
 
 # [Note: torch state keys]
-# The one table from core state fields to torch.optim's per-parameter state keys. Order is
-# torch's (the consolidated dict lists keys as ``torch.optim.<Class>.state_dict()`` does).
-# torch.optim.SGD keeps no step count: ``count`` of TraceState is saved under "step" in the
-# sharded and DCP forms but left out of the torch form (and set to 1 for parameters that have a
-# momentum buffer when a torch dict is loaded: torch creates it at the first step). A field that
-# is None in the state (no ``nu_max`` without amsgrad, no ``grad_avg`` unless centered) is
-# simply absent, as in torch. Adagrad's state exists for every parameter from the start.
-_STEP = ("count", "step", True)
+# From core state fields to torch.optim's per-parameter state keys: derived from core's torch
+# compatibility records ([Note: torch compatibility records] in shardopt.core), one entry per
+# state type (Adam and AdamW share theirs). A field that is None in the state (no ``nu_max``
+# without amsgrad, no ``grad_avg`` unless centered) is simply absent, as in torch. torch.optim.SGD
+# keeps no step count: ``count`` of TraceState is set to 1 for parameters that have a momentum
+# buffer when a torch dict is loaded (torch creates it at the first step).
 STATE_KEYS: dict[type, OptimizerKeys] = {
-    TraceState: OptimizerKeys((("count", "step", False), ("momentum", "momentum_buffer", True))),
-    ScaleByAdamState: OptimizerKeys(
-        (
-            _STEP,
-            ("mu", "exp_avg", True),
-            ("nu", "exp_avg_sq", True),
-            ("nu_max", "max_exp_avg_sq", True),
-        )
-    ),
-    ScaleByAdagradState: OptimizerKeys((_STEP, ("sum", "sum", True)), eager=True),
-    ScaleByAdadeltaState: OptimizerKeys(
-        (_STEP, ("square_avg", "square_avg", True), ("acc_delta", "acc_delta", True))
-    ),
-    ScaleByAdamaxState: OptimizerKeys(
-        (_STEP, ("exp_avg", "exp_avg", True), ("exp_inf", "exp_inf", True))
-    ),
-    ScaleByNadamState: OptimizerKeys(
-        (
-            _STEP,
-            ("mu_product", "mu_product", True),
-            ("exp_avg", "exp_avg", True),
-            ("exp_avg_sq", "exp_avg_sq", True),
-        )
-    ),
-    ScaleByRadamState: OptimizerKeys(
-        (_STEP, ("exp_avg", "exp_avg", True), ("exp_avg_sq", "exp_avg_sq", True))
-    ),
-    ScaleByRmsState: OptimizerKeys(
-        (
-            _STEP,
-            ("square_avg", "square_avg", True),
-            ("momentum", "momentum_buffer", True),
-            ("grad_avg", "grad_avg", True),
-        )
-    ),
-    ScaleByRpropState: OptimizerKeys(
-        (_STEP, ("prev", "prev", True), ("step_size", "step_size", True))
-    ),
+    r.state_type: OptimizerKeys(r.state_keys, r.eager) for r in TORCH_COMPAT
 }
 
 

@@ -10,29 +10,19 @@ from typing import Any
 
 import torch
 
-import shardopt.core as core
 from shardopt.core import Transformation
+from shardopt.core.blocks import TORCH_COMPAT, torch_compat
 
 __all__ = ["CORE_FACTORIES", "LocalOptimizerSpec", "plan_local_optimizer"]
 
 logger = logging.getLogger(__name__)
 
-# The torch.optim classes with a pure counterpart in shardopt.core (same hyperparameter names).
-# All of them are elementwise: a parameter's update reads only its own elements and state.
-CORE_FACTORIES: dict[type, str] = {
-    torch.optim.SGD: "sgd",
-    torch.optim.Adam: "adam",
-    torch.optim.AdamW: "adamw",
-    torch.optim.Adagrad: "adagrad",
-    torch.optim.RMSprop: "rmsprop",
-    torch.optim.Adamax: "adamax",
-    torch.optim.NAdam: "nadam",
-    torch.optim.RAdam: "radam",
-    torch.optim.Adadelta: "adadelta",
-    torch.optim.Rprop: "rprop",
+# The torch.optim classes with a pure counterpart in shardopt.core (same hyperparameter names),
+# from core's torch compatibility records. All of them are elementwise: a parameter's update
+# reads only its own elements and state.
+CORE_FACTORIES: dict[type, Callable[..., Transformation]] = {
+    r.torch_class: r.factory for r in TORCH_COMPAT
 }
-# Constructor flags of torch.optim that pick an implementation, not an update rule.
-_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,20 +65,20 @@ def plan_local_optimizer(
     """
     kwargs = dict(kwargs or {})
     fallback = LocalOptimizerSpec(optimizer_class, tuple(args), kwargs)
-    name = CORE_FACTORIES.get(optimizer_class)
-    if name is None:
+    record = torch_compat(optimizer_class)
+    if record is None:
         return fallback
+    factory = record.factory
+    signature = inspect.signature(optimizer_class.__init__)
     try:
-        factory = getattr(core, name)
-        signature = inspect.signature(optimizer_class.__init__)
         bound = signature.bind(None, None, *args, **kwargs)
-    except (AttributeError, ImportError, TypeError):
-        return fallback  # no factory yet, or arguments torch itself will reject
+    except TypeError:
+        return fallback  # arguments torch itself will reject
     bound.apply_defaults()
     accepted = inspect.signature(factory).parameters
     factory_kwargs: dict[str, Any] = {}
     for key, value in list(bound.arguments.items())[2:]:
-        if key in _IMPLEMENTATION_FLAGS:
+        if key in record.implementation:
             continue
         if key in accepted:
             factory_kwargs[key] = value
