@@ -11,13 +11,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from shardopt.core import Plan
+from shardopt.core import Plan, Strategy
 from shardopt.functional.engine import comm_device, describe
 from shardopt.optim._zero_engine import EngineSync
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
 from shardopt.optim._zero_params import (
-    Partition,
     agreed,
     check_grads,
     check_options,
@@ -190,7 +189,7 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
 
     @property
     def _flat(self) -> bool:
-        return self._partition is Partition.FLAT
+        return self._partition is Strategy.FLAT
 
     # -- stepping ------------------------------------------------------------------------------
 

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 import torch
 
+from shardopt.core import Strategy
 from shardopt.functional.engine import agree_across_ranks, describe, fingerprint
 from shardopt.optim._core_mapping import CORE_FACTORIES
 from shardopt.optim._zero_transport import on_device
 
 __all__ = [
-    "Partition",
     "agreed",
     "check_grads",
     "check_options",
@@ -75,13 +74,6 @@ def describe_group(group: Mapping[str, Any]) -> str:
     and device type (not the index: rank r may use cuda:r)."""
     params = [(tuple(p.shape), str(p.dtype), p.device.type) for p in group["params"]]
     return describe({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-
-
-class Partition(str, enum.Enum):
-    """Who updates what: whole parameters per rank (torch's assignment), or equal flat slices."""
-
-    GREEDY = "greedy"
-    FLAT = "flat"
 
 
 def _kind(value: object) -> str:
@@ -199,20 +191,20 @@ def check_options(
     overlap_with_ddp: Any,
     parameters_as_bucket_view: Any,
     allow_mixed_dtypes: Any,
-) -> Partition:
+) -> Strategy:
     """The validated partition; raises for a flat partition the optimizer cannot have.
 
     Example:
         >>> check_options(torch.optim.Adam, "flat", overlap_with_ddp=False,
         ...               parameters_as_bucket_view=False, allow_mixed_dtypes=False)
-        <Partition.FLAT: 'flat'>
+        <Strategy.FLAT: 'flat'>
     """
     if not callable(optimizer_class):
         raise TypeError(
             f"{API}: expected a torch.optim.Optimizer class as optimizer_class, got "
             f"{_kind(optimizer_class)}"
         )
-    names = tuple(p.value for p in Partition)
+    names = tuple(p.value for p in Strategy)
     if not isinstance(partition, str) or partition not in names:
         raise ValueError(f"{API}: expected partition in {names}, got {partition!r}")
     flags = {
@@ -223,8 +215,8 @@ def check_options(
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{API}: expected {name} to be a bool, got {_kind(value)}")
-    chosen = Partition(partition)
-    if chosen is Partition.FLAT:
+    chosen = Strategy(partition)  # core's word: the plan's strategy
+    if chosen is Strategy.FLAT:
         if optimizer_class not in CORE_FACTORIES:
             raise ValueError(
                 f"{API}: partition='flat' needs an elementwise optimizer, got "
