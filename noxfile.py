@@ -98,6 +98,7 @@ def bench(session: nox.Session) -> None:
         "bench_zero_consolidate.py",
         "bench_zero_step.py",
         "bench_zero_step_check.py",
+        "bench_gloo_collectives.py",
     ):
         session.run(python, f"benchmarks/{script}", env=env, external=True)
     shardopt = os.path.join(bin_dir, "shardopt")
