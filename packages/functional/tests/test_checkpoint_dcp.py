@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from shardopt.core import (
@@ -375,20 +376,30 @@ def test_load_checkpoint_refuses_another_optimizer_names_or_path_on_every_rank(r
 
 
 class Crash(BaseException):
-    """A process dying at this point (nothing after it runs, no except clause catches it)."""
+    """A process dying at this point (no except clause catches it)."""
+
+
+def described(name: str, args: tuple[Any, ...]) -> str:
+    """A filesystem call on base names, tokens masked: ``"rename ckpt -> ckpt.old-*"``."""
+    paths = [os.path.basename(os.fspath(a)) for a in args if isinstance(a, (str, os.PathLike))]
+    return f"{name} " + " -> ".join(re.sub(r"-[0-9a-f]{16}$", "-*", p) for p in paths)
 
 
 @contextlib.contextmanager
-def crash_at(k: int | None, calls: list[str]) -> Iterator[None]:
-    """Records every filesystem rename and removal inside in ``calls``; the ``k``-th (from 0)
-    raises Crash instead of running (None: none does)."""
+def crash_at(k: int | str | None, calls: list[str]) -> Iterator[None]:
+    """Records every filesystem rename and removal inside in ``calls``; the ``k``-th (from 0),
+    or the first described as ``k``, and every later one raise Crash instead of running: the
+    process died there (None: none does)."""
     real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree}
+    dead = False
 
     def wrap(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            if len(calls) - 1 == k:
-                raise Crash(name)
+            nonlocal dead
+            calls.append(described(name, args))
+            dead = dead or k in (len(calls) - 1, calls[-1])
+            if dead:
+                raise Crash(calls[-1])
             return real[name](*args, **kwargs)
 
         return call
@@ -401,13 +412,40 @@ def crash_at(k: int | None, calls: list[str]) -> Iterator[None]:
         yield
 
 
-def saved_states(root: str) -> tuple[Any, Any, Any, list[torch.Tensor]]:
-    """(sharded, state after 1 step, state after 2 steps, params): two distinguishable states."""
-    params = initial_params()
-    sharded, state = make_sharded("adam", params, 1, "flat", 1)
-    one = sharded.step(params, grads(0), state)
-    two = sharded.step(params, grads(1), one)
-    return sharded, one, two, params
+COLLECTIVES = ("barrier", "broadcast")
+
+
+@contextlib.contextmanager
+def collectives_in(calls: list[str]) -> Iterator[None]:
+    """Records the barriers and broadcasts inside (those _dcp makes: ``dist.<name>``)."""
+
+    def recorder(name: str) -> Callable[..., Any]:
+        real = getattr(torch.distributed, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    with (
+        mock.patch("torch.distributed.barrier", recorder("barrier")),
+        mock.patch("torch.distributed.broadcast", recorder("broadcast")),
+    ):
+        yield
+
+
+def three_states() -> tuple[Any, list[torch.Tensor], list[Any]]:
+    """(sharded, params, the states after 1, 2 and 3 steps): distinguishable states to save,
+    each from its own run (a step may update its input state's buffers in place)."""
+    states = []
+    for steps in (1, 2, 3):
+        params = initial_params()
+        sharded, state = make_sharded("adam", params, 1, "flat", 1)
+        for step in range(steps):
+            state = sharded.step(params, grads(step), state)
+        states.append(state)
+    return sharded, params, states
 
 
 def same(a: Any, b: Any) -> bool:
@@ -415,75 +453,184 @@ def same(a: Any, b: Any) -> bool:
     return state_equal(consolidate_state_dict(a), consolidate_state_dict(b))
 
 
-def loaded(sharded: Any, params: list[torch.Tensor], path: str) -> Any:
-    fresh = sharded.init([torch.zeros_like(p) for p in params])
-    load_checkpoint(fresh, path, names=NAMES)
-    return fresh
-
-
-def crash_every_step(rank: int, world: int, root: str) -> list[str]:
-    """Saves state one, then over it state two with a crash at each filesystem step in turn;
-    after each crash what loads must be one or two, and the next save must leave no leftover."""
-    sharded, one, two, params = saved_states(root)
-    clean: list[str] = []  # the steps of a save over a checkpoint (a leftover beside it too)
-    save_checkpoint(one, os.path.join(root, "count"), names=NAMES)
-    os.mkdir(os.path.join(root, "count.tmp-00000000000000ff"))
-    with crash_at(None, clean):
-        save_checkpoint(two, os.path.join(root, "count"), names=NAMES, overwrite=True)
-    problems = [] if len(clean) >= 4 else [f"an uncrashed save made only the steps {clean}"]
-    for k in range(len(clean)):
-        path = os.path.join(root, f"crash{k}")
-        save_checkpoint(one, path, names=NAMES)
-        os.mkdir(f"{path}.tmp-00000000000000ff")  # a crashed save's leftover
-        # DCP turns a crash inside its own writes into a CheckpointException on every rank
-        with contextlib.suppress(Crash, CheckpointException), crash_at(k, []):
-            save_checkpoint(two, path, names=NAMES, overwrite=True)
-            problems.append(f"step {k}: no crash")
-        got = loaded(sharded, params, path)
-        if not (same(got, one) or same(got, two)):
-            problems.append(f"step {k} ({clean[k]}): loaded neither the old nor the new state")
-        save_checkpoint(one, path, names=NAMES, overwrite=True)
-        left = sorted(n for n in os.listdir(root) if n.startswith(f"crash{k}."))
-        if left or not same(loaded(sharded, params, path), one):
-            problems.append(f"step {k}: the next save left {left} or did not publish")
-    return problems
-
-
-def test_a_crash_at_any_step_of_a_save_leaves_the_old_or_the_new_checkpoint(run_world, tmp_path):
-    (problems,) = run_world(crash_every_step, 1, str(tmp_path))
-    assert problems == []
-
-
-def crash_between_renames(rank: int, world: int, root: str) -> tuple[bool, bool, list[str]]:
-    """The one crash that leaves nothing at the path: after the old checkpoint moved aside."""
-    sharded, one, two, params = saved_states(root)
-    path = os.path.join(root, "ckpt")
-    save_checkpoint(one, path, names=NAMES)
-    calls: list[str] = []
-    real_rename = os.rename
-
-    def rename(src: Any, dst: Any) -> None:
-        calls.append(os.fspath(dst))
-        if os.fspath(dst) == path:  # the commit: crash just before it
-            raise Crash(dst)
-        real_rename(src, dst)
-
-    with contextlib.suppress(Crash), mock.patch("os.rename", rename):
-        save_checkpoint(two, path, names=NAMES, overwrite=True)
-    gone = not os.path.lexists(path)
-    old_state = same(loaded(sharded, params, path), one)
+def which(sharded: Any, params: list[torch.Tensor], path: str, candidates: dict[str, Any]) -> str:
+    """The name of the candidate state that ``load_checkpoint`` restores from ``path``."""
+    got = sharded.init([torch.zeros_like(p) for p in params])
     try:
-        save_checkpoint(two, path, names=NAMES)
+        load_checkpoint(got, path, names=NAMES)
+    except ValueError as exc:
+        return f"nothing ({exc})"
+    return next((name for name, s in candidates.items() if same(got, s)), "another state")
+
+
+def crashed_save(path: str, state: Any, k: int | str) -> None:
+    with contextlib.suppress(Crash), crash_at(k, []):
+        save_checkpoint(state, path, names=NAMES, overwrite=True)
+
+
+def seed_leftovers(path: str, stale: Any) -> None:
+    """What crashes leave beside ``path``: a superseded ``.old-*`` (a crash in a publish's
+    cleanup), here holding ``stale``, and a partial ``.tmp-*`` (a crash mid-write)."""
+    save_checkpoint(stale, f"{path}.old-{0xA:016x}", names=NAMES)
+    os.mkdir(f"{path}.tmp-{0xB:016x}")
+
+
+def beside(path: str) -> list[str]:
+    parent, base = os.path.split(path)
+    return sorted(n for n in os.listdir(parent) if n.startswith(f"{base}."))
+
+
+def crash_once(sharded: Any, params: Any, s: list[Any], path: str, k: int) -> tuple[str, ...]:
+    """State 2 saved over state 1 (a leftover of each kind beside) with a crash at call ``k``:
+    what loads; then state 0 saved over it: what it leaves beside ``path``, what loads."""
+    save_checkpoint(s[1], path, names=NAMES)
+    seed_leftovers(path, s[0])
+    crashed_save(path, s[2], k)
+    got = which(sharded, params, path, {"old": s[1], "new": s[2]})
+    save_checkpoint(s[0], path, names=NAMES, overwrite=True)
+    return got, ", ".join(beside(path)), which(sharded, params, path, {"next": s[0]})
+
+
+def crash_twice(sharded: Any, params: Any, s: list[Any], path: str, k: int, k2: int) -> str:
+    """States 1 then 2 saved over state 0, crashed at calls ``k`` then ``k2``: the problem ("" if
+    none) if what loads after either is not the last published state or the new one, or if the
+    next save leaves anything beside ``path``."""
+    named = {"s0": s[0], "s1": s[1], "s2": s[2]}
+    save_checkpoint(s[0], path, names=NAMES)
+    crashed_save(path, s[1], k)
+    first = which(sharded, params, path, named)
+    crashed_save(path, s[2], k2)
+    then = which(sharded, params, path, named)
+    save_checkpoint(s[0], path, names=NAMES, overwrite=True)
+    if first in ("s0", "s1") and then in (first, "s2") and not beside(path):
+        return ""
+    return f"crashes at calls {k} then {k2}: {first} loads, then {then}; left {beside(path)}"
+
+
+def crash_scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The calls of a save of state 2 over state 1 with a leftover of each kind beside it (its
+    filesystem ``steps``, and their ``order`` with the collectives); then crashes at every step:
+    a save crashed ``once`` per step, and two saves in a row crashed ``twice`` per pair."""
+    sharded, params, s = three_states()
+    order: list[str] = []
+    path = os.path.join(root, "ckpt")
+    save_checkpoint(s[1], path, names=NAMES)
+    seed_leftovers(path, s[0])
+    with crash_at(None, order), collectives_in(order):
+        save_checkpoint(s[2], path, names=NAMES, overwrite=True)
+    steps = [c for c in order if c not in COLLECTIVES]
+    n = len(steps)
+    once = [crash_once(sharded, params, s, os.path.join(root, f"once{k}"), k) for k in range(n)]
+    twice = [
+        crash_twice(sharded, params, s, os.path.join(root, f"twice{k}-{k2}"), k, k2)
+        for k in range(n)
+        for k2 in range(n)
+    ]
+    distinct = not any(same(s[i], s[j]) for i in range(3) for j in range(i))
+    return {"order": order, "steps": steps, "once": once, "twice": twice, "distinct": distinct}
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory) -> dict[str, Any]:
+    from shardopt.testing import spawn
+
+    root = str(tmp_path_factory.mktemp("crashes"))
+    return spawn(crash_scenarios, 1, root, backend="gloo", timeout=120.0)[0]
+
+
+# The publish of [Note: atomic checkpoints] over a checkpoint with a superseded .old-* and a
+# crashed save's .tmp-* beside it: per step, its filesystem call and what loads after a crash
+# there (the call raising instead of running; "commit" is the commit point).
+PUBLISH = {
+    "remove-superseded-old": ("rmtree ckpt.old-*", "old"),
+    "move-old-aside": ("rename ckpt -> ckpt.old-*", "old"),
+    "commit": ("rename ckpt.tmp-* -> ckpt", "old"),
+    "remove-old": ("rmtree ckpt.old-*", "new"),
+    "remove-crashed-tmp": ("rmtree ckpt.tmp-*", "new"),
+}
+
+
+def publish_steps(crashes: dict[str, Any]) -> list[int]:
+    return [k for k, call in enumerate(crashes["steps"]) if "ckpt" in call]
+
+
+def test_the_crash_tests_cover_every_filesystem_call_of_a_save(crashes):
+    """A save makes exactly PUBLISH's calls beside its path, which the test below is
+    parametrized over (so a changed protocol cannot skip a step), and a crash is injected at
+    each of its calls, DCP's own included, counted in an uncrashed save."""
+    assert crashes["distinct"], "the saved states must differ, for the crash tests to mean much"
+    assert [crashes["steps"][k] for k in publish_steps(crashes)] == [
+        call for call, _ in PUBLISH.values()
+    ]
+
+
+@pytest.mark.parametrize("step", range(len(PUBLISH)), ids=list(PUBLISH))
+def test_a_crash_at_any_publish_step_leaves_the_old_or_the_new_checkpoint(crashes, step):
+    """The old one up to the commit (included: the rename did not run), the new one after; the
+    next save then publishes and leaves nothing beside the path."""
+    got, left, then = crashes["once"][publish_steps(crashes)[step]]
+    assert got == list(PUBLISH.values())[step][1]
+    assert (left, then) == ("", "next")
+
+
+def test_a_crash_inside_dcps_writes_leaves_the_old_checkpoint(crashes):
+    """At each of DCP's own calls (in the temporary directory, e.g. moving ``.metadata`` in)."""
+    inside = [k for k in range(len(crashes["steps"])) if k not in publish_steps(crashes)]
+    assert [crashes["once"][k] for k in inside] == [("old", "", "next")] * len(inside)
+
+
+def test_two_crashed_saves_in_a_row_leave_the_last_published_or_the_new_checkpoint(crashes):
+    """E.g. a crash in a publish's cleanup (its .old-* stays), then one between the next save's
+    renames: the one .old-* there must be the last published checkpoint."""
+    assert [problem for problem in crashes["twice"] if problem] == []
+
+
+def test_rank_0_publishes_and_cleans_up_with_no_collective_in_between(crashes):
+    """So the cleanup runs even if a peer died after the writes: the barrier after ``dcp.save``
+    is the last collective before the publish, the agreement broadcast the first after it."""
+    order = crashes["order"]
+    publish = [i for i, call in enumerate(order) if "ckpt" in call]
+    assert publish == list(range(publish[0], publish[-1] + 1)), order
+    assert order[publish[0] - 1] == "barrier", order
+    assert order[publish[-1] + 1 :] == ["broadcast"], order
+
+
+NOT_LEFTOVERS = ["ckpt2", "ckpt.tmp-x", f"other.old-{1:016x}", f"ckpt.tmp-{1:016x}.d"]
+
+
+def crashed_saves_then_one(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Over state 0: a save killed at its first filesystem call (in DCP's writes), one killed
+    at its commit, a save without overwrite, then a good one (with other names beside)."""
+    sharded, params, s = three_states()
+    path = os.path.join(root, "ckpt")
+    save_checkpoint(s[0], path, names=NAMES)
+    for name in NOT_LEFTOVERS:
+        os.mkdir(os.path.join(root, name))
+    crashed_save(path, s[1], 0)
+    crashed_save(path, s[2], PUBLISH["commit"][0])
+    after_crashes = sorted(os.listdir(root))
+    loads = which(sharded, params, path, {"s0": s[0]})
+    try:
+        save_checkpoint(s[1], path, names=NAMES)
         refused = "no error"
     except ValueError as exc:
         refused = str(exc)
-    return gone and old_state, "expected a path that does not exist" in refused, calls
+    save_checkpoint(s[1], path, names=NAMES, overwrite=True)
+    then = which(sharded, params, path, {"s1": s[1]})
+    return {"after_crashes": after_crashes, "loads": loads, "refused": refused, "then": then}
 
 
-def test_a_crash_between_the_renames_loads_the_old_checkpoint_and_counts_it_as_existing(
-    run_world, tmp_path
-):
-    (recovered, refused, calls) = run_world(crash_between_renames, 1, str(tmp_path))[0]
-    assert any(".old-" in c for c in calls), calls
-    assert recovered
-    assert refused
+def test_the_next_save_removes_the_leftovers_of_crashed_saves_and_nothing_else(run_world, tmp_path):
+    """The crash at the commit leaves nothing at the path: the one .old-* still loads and
+    counts as an existing checkpoint."""
+    r = run_world(crashed_saves_then_one, 1, str(tmp_path))[0]
+    leftovers = [n for n in r["after_crashes"] if n not in NOT_LEFTOVERS]
+    assert [re.sub(r"-[0-9a-f]{16}$", "-*", n) for n in leftovers] == [
+        "ckpt.old-*",
+        "ckpt.tmp-*",
+        "ckpt.tmp-*",
+    ]
+    assert r["loads"] == "s0"
+    assert "save_checkpoint: expected a path that does not exist" in r["refused"]
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *NOT_LEFTOVERS])
+    assert r["then"] == "s1"

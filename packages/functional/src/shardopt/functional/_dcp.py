@@ -38,20 +38,30 @@ OPTIM_KEY = "optim"
 
 # [Note: atomic checkpoints]
 # DCP writes a directory file by file, its ``.metadata`` last (on the coordinator, once every
-# rank's writes are done). A crash mid-way would leave a directory that looks like a checkpoint
-# at ``path``. So every rank writes into ``<path>.tmp-<token>`` (``token`` drawn on rank 0 and
-# broadcast as a tensor); after ``dcp.save`` returned everywhere and a barrier, rank 0 alone
-# publishes, with no collective until it is done:
-#   1. an existing checkpoint at ``path`` is renamed to ``<path>.old-<token>``;
-#   2. the temporary directory is renamed to ``path`` (the commit point);
-#   3. every leftover of ``path`` (``.old-*``, and ``.tmp-*`` of crashed saves) is removed.
-# A crash before 1 leaves the old checkpoint at ``path``; after 2, the new one. Between 1 and 2
-# nothing is at ``path`` but exactly one ``.old-*`` holds the last published checkpoint (a
-# later save removes it only after publishing its own): ``load_checkpoint`` reads it there, and
-# ``save_checkpoint`` counts it as existing. A crash during 3 leaves leftovers that the next
-# publish removes. A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP
-# gathers the results); rank 0 then removes the temporary directory, so ``path`` is untouched.
-# Rank 0 broadcasts whether the publish succeeded, so every rank returns or raises alike.
+# rank's writes are done): a crash mid-way would leave a directory that looks like a checkpoint.
+# So every rank writes into ``<path>.tmp-<token>`` (``token``: 16 hex digits drawn on rank 0 and
+# broadcast). After ``dcp.save`` returned everywhere and a barrier, rank 0 alone publishes, with
+# no collective until it is done, cleanup included (a peer dying meanwhile cannot stop it):
+#   1. if anything is at ``path``: remove every ``<path>.old-*`` (superseded by ``path``; if one
+#      cannot be removed, the save fails here), then rename ``path`` to ``<path>.old-<token>``;
+#   2. rename ``<path>.tmp-<token>`` to ``path``: the commit point;
+#   3. remove every leftover: each ``<path>.old-*``, and each ``<path>.tmp-*`` of crashed saves.
+# Leftovers are the names ``<path>.old-<16 hex>`` and ``<path>.tmp-<16 hex>`` (``_leftovers``),
+# never ``path`` nor any other name. Invariant: when nothing is at ``path``, exactly one
+# ``.old-*`` exists, and it is the last published checkpoint, complete. For only step 1's rename
+# empties ``path`` or makes an ``.old-*``, once every other ``.old-*`` is gone, and nothing
+# removes an ``.old-*`` until step 2 has refilled ``path``. So the published checkpoint is
+# ``path``, else that ``.old-*`` (``_published``): ``load_checkpoint`` reads it there, and
+# ``save_checkpoint`` counts it as existing. Hence at every crash point it is the old or the new:
+#   - in ``dcp.save``, or in step 1 before its rename: the old one, at ``path`` (a removal cut
+#     short leaves a superseded partial ``.old-*`` beside it);
+#   - between the two renames: the old one, in the one ``.old-*``;
+#   - from step 2's rename on (it is atomic): the new one, at ``path``.
+# The next save removes what a crash left: superseded ``.old-*`` in its step 1, everything in its
+# step 3. Except between the renames, ``path`` is a plain DCP directory (``dcp.load`` reads it).
+# A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP gathers the
+# results); rank 0 then removes the temporary directory, so ``path`` is untouched. Rank 0
+# broadcasts whether the publish succeeded, so every rank returns or raises alike.
 
 
 def _piece_tensor(shape: tuple[int, ...], piece: Piece, flat: torch.Tensor) -> torch.Tensor:
@@ -125,16 +135,19 @@ def _agree_on_rank0(api: str, error: BaseException | None, group: ProcessGroup) 
 def _publish(tmp: str, target: str, token: int) -> None:
     """Steps 1-3 of [Note: atomic checkpoints], on rank 0."""
     if os.path.lexists(target):
+        for old in _leftovers(target, "old"):
+            shutil.rmtree(old)  # must succeed: one .old-* at most while nothing is at target
         os.rename(target, f"{target}.old-{token:016x}")
     os.rename(tmp, target)
     for leftover in _leftovers(target):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _leftovers(target: str) -> list[str]:
-    """The ``<target>.tmp-<token>`` and ``<target>.old-<token>`` directories beside ``target``."""
+def _leftovers(target: str, kind: str = "tmp|old") -> list[str]:
+    """The ``<target>.tmp-<token>`` and ``<target>.old-<token>`` directories beside ``target``
+    (of ``kind``), sorted."""
     parent, base = os.path.split(target)
-    pattern = re.compile(re.escape(base) + r"\.(tmp|old)-[0-9a-f]{16}")
+    pattern = re.compile(re.escape(base) + rf"\.({kind})-[0-9a-f]{{16}}")
     try:
         names = os.listdir(parent)
     except OSError:
@@ -147,7 +160,7 @@ def _published(target: str) -> str | None:
     crash between steps 1 and 2 of [Note: atomic checkpoints] left; None if there is none."""
     if os.path.lexists(target):
         return target
-    olds = [p for p in _leftovers(target) if ".old-" in os.path.basename(p)]
+    olds = _leftovers(target, "old")
     return olds[0] if len(olds) == 1 else None
 
 
@@ -240,6 +253,7 @@ def save_checkpoint(
             _publish(tmp, target, token)
         except OSError as exc:
             failure = exc
+            shutil.rmtree(tmp, ignore_errors=True)  # still there: the commit did not happen
     _agree_on_rank0(api, failure, group)
 
 
