@@ -23,7 +23,8 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # tests, demo, bench and gpu run in one virtual environment, .nox/shared, so the quick start's
 # two commands install torch once. Nox makes a venv per session, so these sessions make none
 # (venv_backend="none") and share ours: created on first use, reinstalled only when its inputs
-# (the pinned requirements, the package list) change, as recorded in its stamp file.
+# (the pinned requirements, the packages' pyproject.toml files) change, as recorded in its stamp
+# file.
 SHARED = os.path.join(".nox", "shared")
 
 
@@ -32,8 +33,8 @@ def _shared_env(session: nox.Session, *, one_thread: bool = True) -> tuple[str, 
     runs commands from it (one intra-op thread per process unless told otherwise)."""
     bin_dir = os.path.join(SHARED, "Scripts" if os.name == "nt" else "bin")
     python = os.path.join(bin_dir, "python")
-    with open("ci/requirements.txt") as f:
-        wanted = f.read() + "\n".join(PACKAGES)
+    inputs = ["ci/requirements.txt", *(f"{p}/pyproject.toml" for p in PACKAGES)]
+    wanted = "".join(pathlib.Path(p).read_text() for p in inputs)
     stamp = pathlib.Path(SHARED, "installed.txt")
     if not stamp.exists() or stamp.read_text() != wanted:
         session.run(sys.executable, "-m", "venv", "--clear", SHARED, external=True)
@@ -76,6 +77,7 @@ def typecheck(session: nox.Session) -> None:
         "packages/core/src/shardopt/core",
         "packages/functional/src/shardopt/functional",
         "packages/functional/src/shardopt/optim",
+        "packages/functional/src/shardopt/cli",
         "packages/testing/src/shardopt/testing",
     )
 

@@ -10,9 +10,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shardopt.functional import Traffic
-
-__all__ = ["CollectiveCall", "CollectiveLog", "count_collectives"]
+__all__ = ["CallTotals", "CollectiveCall", "CollectiveLog", "count_collectives"]
 
 # Every torch.distributed function that can move data or synchronise ranks, by name; those
 # missing from this torch are skipped.
@@ -65,6 +63,16 @@ class CollectiveCall(NamedTuple):
     root: int | None
 
 
+class CallTotals(NamedTuple):
+    """Bytes handed to each kind of collective, and the calls of the data-moving kinds (the
+    fields of shardopt.functional.Traffic, in its order)."""
+
+    all_reduce: int
+    reduce_scatter: int
+    all_gather: int
+    collectives: int
+
+
 @dataclass
 class CollectiveLog:
     """The collectives called in a :func:`count_collectives` block, in call order."""
@@ -72,16 +80,16 @@ class CollectiveLog:
     world_size: int
     calls: list[CollectiveCall] = field(default_factory=list)
 
-    def traffic(self) -> Traffic:
-        """The calls as a Traffic ([Note: traffic model]): broadcasts count as gathers, reduces
-        and single-tensor all-to-alls as reduce-scatters."""
+    def totals(self) -> CallTotals:
+        """The calls summed by kind ([Note: traffic model]): broadcasts count as gathers,
+        reduces and single-tensor all-to-alls as reduce-scatters."""
 
         def total(kinds: tuple[str, ...], input_side: bool) -> int:
             return sum(
                 _input_bytes(c) if input_side else c.first for c in self.calls if c.name in kinds
             )
 
-        return Traffic(
+        return CallTotals(
             all_reduce=total(("all_reduce",), True),
             reduce_scatter=total(_SCATTERS, True) + total(("reduce",), True),
             all_gather=total(_GATHERS, False) + total(("broadcast",), True),
@@ -91,7 +99,7 @@ class CollectiveLog:
         )
 
     def others(self) -> list[str]:
-        """Names of the calls that :meth:`traffic` leaves out."""
+        """Names of the calls that :meth:`totals` leaves out."""
         known = ("all_reduce", "broadcast", "reduce", *_GATHERS, *_SCATTERS)
         return [c.name for c in self.calls if c.name not in known]
 
@@ -120,7 +128,7 @@ def count_collectives() -> Iterator[CollectiveLog]:
         ...     _ = dist.broadcast(torch.zeros(2), group_src=0)
         >>> [(c.name, c.first, c.root) for c in log.calls]
         [('all_reduce', 16, None), ('broadcast', 8, 0)]
-        >>> log.traffic().all_reduce, log.others()
+        >>> log.totals().all_reduce, log.others()
         (16, [])
         >>> dist.destroy_process_group()
     """

@@ -7,8 +7,6 @@ import itertools
 import torch
 from torch import nn
 
-from shardopt.testing._cli_models import GPTBlock
-
 __all__ = [
     "build_conv_net",
     "build_frozen_mlp",
@@ -94,15 +92,28 @@ class _GPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(0.02 * torch.randn(length, width))
-        # No attention input bias: its key part has an exactly zero gradient, computed as
-        # rounding noise (see GPTConfig), that no two summation orders agree on.
-        self.blocks = nn.ModuleList(GPTBlock(width, 2, qkv_bias=False) for _ in range(depth))
+        # torch's own pre-norm block, without biases: the attention input bias's key part has an
+        # exactly zero gradient, computed as rounding noise that no two summation orders agree on.
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                width,
+                2,
+                4 * width,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+                bias=False,
+            )
+            for _ in range(depth)
+        )
         self.norm = nn.LayerNorm(width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=x.dtype)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, src_mask=mask, is_causal=True)
         return self.norm(x) @ self.embed.weight.t()  # the output head is tied to the embedding
 
 

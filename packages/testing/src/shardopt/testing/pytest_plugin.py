@@ -1,4 +1,5 @@
-"""pytest plugin of shardopt.testing: the ``world`` marker and fixture, and the ``gpu`` marker."""
+"""pytest plugin of shardopt.testing: the ``world`` marker and fixture, the ``gpu`` marker, and
+the ``no_leaks`` fixture (worlds leave no process, file descriptor or temp dir behind)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,19 @@ from typing import Any
 import pytest
 
 from shardopt.testing._errors import WorldError
+from shardopt.testing._leaks import no_leaks, started_worlds
 from shardopt.testing._markers import GPU_MARKER, WORLD_MARKER, skip_reason, world_request
 from shardopt.testing._spawn import spawn
 from shardopt.testing._world import World, current_world
 
-__all__ = ["pytest_configure", "pytest_pyfunc_call", "pytest_runtest_setup", "world"]
+__all__ = [
+    "no_leaks",
+    "pytest_configure",
+    "pytest_pyfunc_call",
+    "pytest_runtest_setup",
+    "started_worlds",
+    "world",
+]
 
 # [Note: world tests]
 # A test marked @pytest.mark.world(n) is run by spawn(): pytest sets the fixtures up in its own

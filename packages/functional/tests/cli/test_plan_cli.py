@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from typing import Any
 
@@ -12,14 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardopt.cli._cli import main
+from shardopt.cli._cli_measure import count_collectives, measure_ddp, measure_sharded, traffic_of
+from shardopt.cli._cli_models import PRESETS
+from shardopt.cli._plan_cli_predict import Setup, predict
+from shardopt.cli._plan_cli_source import load_params, params_of
 from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition
 from shardopt.functional import RankBytes, Traffic, register_grad_hooks, shard
 from shardopt.testing import spawn
-from shardopt.testing._cli import main
-from shardopt.testing._cli_measure import count_collectives, measure_ddp, measure_sharded
-from shardopt.testing._cli_models import PRESETS
-from shardopt.testing._plan_cli_predict import Setup, predict
-from shardopt.testing._plan_cli_source import load_params, params_of
 
 # (setup, strategy, master dtype, bucket_numel, algorithm, grads_averaged): every kind of group,
 # bucket, staging and collective. bucket_numel counts all ranks: 8 and 16 cut every group into
@@ -76,7 +77,7 @@ def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankByte
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)
             opt.step()
-        return measure_ddp(model.parameters(), opt), log.traffic(), log.others()
+        return measure_ddp(model.parameters(), opt), traffic_of(log), log.others()
     plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
     sharded = shard(
         adamw(),
@@ -99,7 +100,7 @@ def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankByte
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)
             state = sharded.step(params, None, state)
-    return measure_sharded(model.parameters(), state), log.traffic(), log.others()
+    return measure_sharded(model.parameters(), state), traffic_of(log), log.others()
 
 
 def run_all(rank: int, world: int) -> list[tuple[RankBytes, Traffic, list]]:
@@ -239,7 +240,8 @@ def test_demo_without_the_demo_extra_says_what_to_install_on_one_line(monkeypatc
     )
     assert main(["demo", "--steps", "1"]) == 2
     assert capsys.readouterr().err == (
-        "shardopt demo: error: needs tqdm, the [demo] extra: pip install 'shardopt-testing[demo]'\n"
+        "shardopt demo: error: needs tqdm, the [demo] extra: "
+        "pip install 'shardopt-functional[demo]'\n"
     )
 
 
@@ -258,3 +260,12 @@ def test_plan_finds_a_factory_in_the_current_directory(tmp_path, monkeypatch, ca
     monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert main(["plan", "cwd_model_for_plan:build", "-w", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] == 44
+
+
+def test_plan_imports_neither_pytest_nor_the_test_harness():
+    code = (
+        "import sys; from shardopt.cli import main; main(['plan', 'gpt2-small', '-w', '8']); "
+        "print([m for m in ('pytest', 'shardopt.testing') if m in sys.modules])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout

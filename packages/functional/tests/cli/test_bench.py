@@ -9,16 +9,16 @@ import json
 import pytest
 import torch
 
-from shardopt.testing import spawn
-from shardopt.testing._bench_cli import add_bench_parser
-from shardopt.testing._bench_report import (
+from shardopt.cli._bench_cli import add_bench_parser
+from shardopt.cli._bench_report import (
     RATIOS,
     merge_run,
     render_bench_table,
     summarize,
     write_bench_png,
 )
-from shardopt.testing._bench_run import BenchConfig, RankRun, Variant, VariantRun, _Runner, _Slot
+from shardopt.cli._bench_run import BenchConfig, RankRun, Variant, VariantRun, _Runner, _Slot
+from shardopt.testing import spawn
 
 
 def bench(argv: list[str]) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardopt.testing._bench_run import (
+from shardopt.cli._bench_run import (
     BASELINE,
     REFERENCE,
     RankRun,

@@ -11,17 +11,32 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.functional import RankBytes
-from shardopt.testing._collectives_count import CollectiveLog, count_collectives
+from shardopt.functional import RankBytes, Traffic
 
 __all__ = [
-    "CollectiveLog",
     "PeakMemory",
     "count_collectives",
     "measure_ddp",
     "measure_sharded",
     "storage_bytes",
+    "traffic_of",
 ]
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Any]:
+    """shardopt.testing's collective counter (the [demo] extra installs the harness): the log of
+    every torch.distributed call inside. Imported here, at use, so ``shardopt plan`` never
+    imports the harness or pytest."""
+    from shardopt.testing import count_collectives as counter
+
+    with counter() as log:
+        yield log
+
+
+def traffic_of(log: Any) -> Traffic:
+    """A :func:`count_collectives` log's calls summed by kind, as the cost model's Traffic."""
+    return Traffic(*log.totals())
 
 
 def storage_bytes(tensors: Iterable[Any]) -> int:

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from shardopt.cli._plan_cli_predict import ParamSpec, Prediction, Setup, predict
+from shardopt.cli._plan_cli_source import load_params
 from shardopt.core import DEFAULT_BUCKET_NUMEL
-from shardopt.testing._plan_cli_predict import ParamSpec, Prediction, Setup, predict
-from shardopt.testing._plan_cli_source import load_params
 
 __all__ = ["add_plan_parser", "format_bytes", "plan_report", "render_table", "run_plan"]
 

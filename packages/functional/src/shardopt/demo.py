@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shardopt.testing._demo_cli import main
+from shardopt.cli import demo_main as main
 
 __all__ = ["main"]
 

@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shardopt.cli._plan_cli import format_bytes
 from shardopt.functional import RankBytes
-from shardopt.testing._plan_cli import format_bytes
 
 __all__ = ["DemoReport", "format_report", "write_png"]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -17,8 +16,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from shardopt.testing._modules import ModuleSource, dumps_with_sources, loads_with_sources
-
 __all__ = [
     "TorchrunEnv",
     "launch",
@@ -29,14 +26,13 @@ __all__ = [
 ]
 
 # [Note: CLI worlds]
-# shardopt.testing.spawn collects what ranks print and replays it when the world ends: right for
-# tests, wrong for a progress bar. So the CLI starts its ranks itself, as children that share
-# the terminal (rank 0 draws the bar, the others print nothing), with a TCPStore held by the
-# parent on a port the system picks. Ranks are forked from a forkserver that has torch imported
-# (the same preload as spawn's, see [Note: forkserver] in _spawn.py), so a world starts in well
-# under a second once the server runs. Every rank is stopped and reaped whatever happens: a
-# failure in one rank, a timeout, or Ctrl-C in the parent.
-_PRELOAD = ["shardopt.testing._preload"]
+# A test harness collects what ranks print and replays it when the world ends: right for tests,
+# wrong for a progress bar. So the CLI starts its ranks itself, as children that share the
+# terminal (rank 0 draws the bar, the others print nothing), with a TCPStore held by the parent
+# on a port the system picks. Ranks are spawned (fresh interpreters given this process's
+# sys.path, so ``fn`` is any module-level function importable here); torch's import costs a
+# second or two per world, nothing beside a demo or a bench. Every rank is stopped and reaped
+# whatever happens: a failure in one rank, a timeout, or Ctrl-C in the parent.
 _EXIT_GRACE_S = 10.0
 _FAILURE_GRACE_S = 1.0
 # [Note: first failure]
@@ -130,8 +126,8 @@ def leave_torchrun_worker(status: int) -> NoReturn:
 
 
 def _rank_main(
-    payload: bytes,
-    sources: tuple[ModuleSource, ...],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
     rank: int,
     world_size: int,
     backend: str,
@@ -145,7 +141,6 @@ def _rank_main(
     delta = datetime.timedelta(seconds=timeout)
     joined = False
     try:
-        fn, args = loads_with_sources(payload, sources)  # test-file functions load by path
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=delta)
@@ -167,15 +162,6 @@ def _rank_main(
         conn.close()
 
 
-@functools.cache
-def _context() -> Any:
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
-        return context
-    return multiprocessing.get_context("spawn")
-
-
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -192,8 +178,7 @@ def launch(
     """
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"{api}: expected world size >= 1, got {world_size!r}")
-    context = _context()
-    payload, sources = dumps_with_sources((fn, args))
+    context = multiprocessing.get_context("spawn")
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -206,8 +191,8 @@ def launch(
             proc = context.Process(
                 target=_rank_main,
                 args=(
-                    payload,
-                    sources,
+                    fn,
+                    args,
                     rank,
                     world_size,
                     backend,

@@ -19,6 +19,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from shardopt.cli._cli_measure import PeakMemory, count_collectives, traffic_of
+from shardopt.cli._cli_models import GPT, GPTConfig, build_mlp_stack
+from shardopt.cli._cli_torch import zero_redundancy_optimizer
 from shardopt.core import DEFAULT_BUCKET_NUMEL, adam, plan_partition
 from shardopt.functional import (
     Traffic,
@@ -29,9 +32,6 @@ from shardopt.functional import (
     torch_hyperparams,
     wait_params,
 )
-from shardopt.testing._cli_measure import PeakMemory, count_collectives
-from shardopt.testing._cli_models import GPT, GPTConfig, build_mlp_stack
-from shardopt.testing._cli_torch import zero_redundancy_optimizer
 
 __all__ = [
     "MODELS",
@@ -297,7 +297,7 @@ class _Runner:
             self.forward_backward(i, net)
             self.step()
             self.settle()
-        return log.traffic()
+        return traffic_of(log)
 
     def consolidate(self) -> float:
         """Seconds of :meth:`state_dict_on_0`, this rank."""

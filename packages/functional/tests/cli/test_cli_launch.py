@@ -6,26 +6,9 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
+from _launch_ranks import fails_on_rank_1, stuck_on_rank_1, summed
 
-from shardopt.testing._cli_launch import TorchrunEnv, launch, resolve_backend, torchrun_env
-
-
-def summed(rank: int, world: int, base: int) -> tuple[int, int]:
-    t = torch.tensor([rank + base])
-    dist.all_reduce(t)
-    return rank, int(t)
-
-
-def fails_on_rank_1(rank: int, world: int) -> None:
-    if rank == 1:
-        raise ZeroDivisionError("rank 1 divides by zero")
-    dist.barrier()  # rank 0 waits for a peer that never comes
-
-
-def stuck_on_rank_1(rank: int, world: int) -> None:
-    if rank == 1:
-        time.sleep(600)
+from shardopt.cli._cli_launch import TorchrunEnv, launch, resolve_backend, torchrun_env
 
 
 def test_launch_returns_each_ranks_result_in_rank_order(no_leaks):

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardopt.cli._cli_models import PRESETS
+from shardopt.cli._plan_cli_predict import ParamSpec
 from shardopt.core import TensorSpec
-from shardopt.testing._cli_models import PRESETS
-from shardopt.testing._plan_cli_predict import ParamSpec
 
 __all__ = ["load_params", "params_of"]
 

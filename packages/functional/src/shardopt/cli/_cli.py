@@ -9,7 +9,8 @@ import sys
 
 __all__ = ["build_parser", "main", "version_line"]
 
-_EXTRA = {"demo": ("matplotlib", "tqdm"), "bench": ("matplotlib", "tqdm")}  # the [demo] extra
+_DEMO_EXTRA = ("matplotlib", "tqdm", "shardopt.testing")
+_EXTRA = {"demo": _DEMO_EXTRA, "bench": _DEMO_EXTRA}
 
 
 def version_line() -> str:
@@ -29,9 +30,9 @@ def version_line() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand (their heavy imports wait until they run)."""
-    from shardopt.testing._bench_cli import add_bench_parser
-    from shardopt.testing._demo_cli import add_demo_parser
-    from shardopt.testing._plan_cli import add_plan_parser
+    from shardopt.cli._bench_cli import add_bench_parser
+    from shardopt.cli._demo_cli import add_demo_parser
+    from shardopt.cli._plan_cli import add_plan_parser
 
     parser = argparse.ArgumentParser(
         prog="shardopt", description="shardopt: sharded optimizers for torch.distributed."
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(
             f"shardopt {args.command}: error: needs {' and '.join(missing)}, the [demo] extra: "
-            "pip install 'shardopt-testing[demo]'",
+            "pip install 'shardopt-functional[demo]'",
             file=sys.stderr,
         )
         return 2

@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from shardopt.testing._cli import main
-from shardopt.testing._cli_launch import launch
-from shardopt.testing._demo_data import VOCAB, decode, encode, read_corpus, sample_batch
-from shardopt.testing._demo_report import format_report
-from shardopt.testing._demo_train import DemoConfig, train_rank
+from shardopt.cli._cli import main
+from shardopt.cli._cli_launch import launch
+from shardopt.cli._demo_data import VOCAB, decode, encode, read_corpus, sample_batch
+from shardopt.cli._demo_report import format_report
+from shardopt.cli._demo_train import DemoConfig, train_rank
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = DemoConfig(

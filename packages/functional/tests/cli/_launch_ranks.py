@@ -1,0 +1,26 @@
+"""Rank functions for the launch tests: module-level in an importable module, as the CLI's
+spawned ranks import ``fn`` by name (see [Note: CLI worlds])."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def summed(rank: int, world: int, base: int) -> tuple[int, int]:
+    t = torch.tensor([rank + base])
+    dist.all_reduce(t)
+    return rank, int(t)
+
+
+def fails_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ZeroDivisionError("rank 1 divides by zero")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def stuck_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        time.sleep(600)
