@@ -3,6 +3,7 @@ spawned ranks import ``fn`` by name (see [Note: CLI worlds])."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -24,3 +25,9 @@ def fails_on_rank_1(rank: int, world: int) -> None:
 def stuck_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         time.sleep(600)
+
+
+def dies_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # no traceback, no report
+    dist.barrier()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from _launch_ranks import fails_on_rank_1, stuck_on_rank_1, summed
+from _launch_ranks import dies_on_rank_1, fails_on_rank_1, stuck_on_rank_1, summed
 
 from shardopt.cli._cli_launch import TorchrunEnv, launch, resolve_backend, torchrun_env
 
@@ -20,6 +20,11 @@ def test_launch_reports_the_failing_rank_with_its_traceback_and_stops_the_others
         launch(fails_on_rank_1, 2, timeout=60.0, api="demo")
     assert "ZeroDivisionError: rank 1 divides by zero" in str(info.value)
     assert str(info.value).startswith("demo: ")
+
+
+def test_launch_reports_a_rank_that_died_without_a_word_as_the_root_cause(no_leaks):
+    with pytest.raises(RuntimeError, match=r"bench: rank 1 exited \(code 3\) without a result"):
+        launch(dies_on_rank_1, 2, timeout=60.0, api="bench")
 
 
 def test_launch_stops_every_rank_after_the_timeout(no_leaks):

@@ -16,27 +16,27 @@ from torch import nn
 from shardopt.cli._cli import main
 from shardopt.cli._cli_measure import count_collectives, measure_ddp, measure_sharded, traffic_of
 from shardopt.cli._cli_models import PRESETS
-from shardopt.cli._plan_cli_predict import Setup, predict
+from shardopt.cli._plan_cli_predict import DDP, predict
 from shardopt.cli._plan_cli_source import load_params, params_of
 from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition
 from shardopt.functional import RankBytes, Traffic, register_grad_hooks, shard
 from shardopt.testing import spawn
 
-# (setup, strategy, master dtype, bucket_numel, algorithm, grads_averaged): every kind of group,
+# (stage, strategy, master dtype, bucket_numel, algorithm, grads_averaged): every kind of group,
 # bucket, staging and collective. bucket_numel counts all ranks: 8 and 16 cut every group into
 # several buckets (greedy ones with unequal shards), None makes one bucket per group.
 CONFIGS = [
-    (Setup.DDP, "flat", None, None, "collective", True),
-    (Setup.STAGE1, "flat", None, None, "collective", True),
-    (Setup.STAGE1, "greedy", None, 8, "collective", True),
-    (Setup.STAGE1, "flat", torch.float32, 16, "exchange", False),
-    (Setup.STAGE1, "greedy", None, 8, "exchange", False),
-    (Setup.STAGE1, "flat", None, 8, "collective", False),
-    (Setup.STAGE2, "flat", None, 16, "collective", False),
-    (Setup.STAGE2, "greedy", None, None, "exchange", False),
-    (Setup.STAGE2, "greedy", None, 8, "collective", False),
-    (Setup.STAGE2, "flat", torch.float32, 8, "collective", False),
-    (Setup.STAGE2, "flat", None, 8, "exchange", False),
+    (DDP, "flat", None, None, "collective", True),
+    (1, "flat", None, None, "collective", True),
+    (1, "greedy", None, 8, "collective", True),
+    (1, "flat", torch.float32, 16, "exchange", False),
+    (1, "greedy", None, 8, "exchange", False),
+    (1, "flat", None, 8, "collective", False),
+    (2, "flat", None, 16, "collective", False),
+    (2, "greedy", None, None, "exchange", False),
+    (2, "greedy", None, 8, "collective", False),
+    (2, "flat", torch.float32, 8, "collective", False),
+    (2, "flat", None, 8, "exchange", False),
 ]
 
 
@@ -63,11 +63,11 @@ def backward(model: nn.Module, rank: int) -> None:
 
 def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankBytes, Traffic, list]:
     """Two steps of ``config``; the bytes held after them and the collectives of the second."""
-    setup, strategy, master, bucket, algorithm, averaged = config
+    stage, strategy, master, bucket, algorithm, averaged = config
     torch.manual_seed(0)
     model = MixedNet()
     params = [p for p in model.parameters() if p.requires_grad]
-    if setup is Setup.DDP:
+    if stage == DDP:
         opt = torch.optim.AdamW(params)
         for _ in range(2):
             opt.zero_grad()
@@ -82,7 +82,7 @@ def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankByte
     sharded = shard(
         adamw(),
         plan,
-        stage=setup.value,
+        stage=stage,
         grads_averaged=averaged,
         master_dtype=master,
         algorithm=algorithm,
@@ -111,16 +111,16 @@ def run_all(rank: int, world: int) -> list[tuple[RankBytes, Traffic, list]]:
 def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
     results = spawn(run_all, world, backend="gloo", timeout=120.0)
     params = params_of(MixedNet())
-    for (setup, strategy, master, bucket, algorithm, averaged), *per_rank in zip(CONFIGS, *results):
+    for (stage, strategy, master, bucket, algorithm, averaged), *per_rank in zip(CONFIGS, *results):
         p = predict(
             params,
             world,
-            setup,
+            stage,
             strategy=strategy,
             master_dtype=master,
             bucket_numel=bucket,
             algorithm=algorithm,
-            grads_averaged=averaged and setup is not Setup.DDP,
+            grads_averaged=averaged and stage != DDP,
         )
         for rank, (held, traffic, others) in enumerate(per_rank):
             where = f"{p.label} master={master} bucket={bucket} {algorithm} {averaged} rank {rank}"
@@ -131,21 +131,21 @@ def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
 
 def test_stage2_saves_gradients_and_state_but_not_traffic_against_ddp():
     params = load_params("gpt2-small")
-    ddp, stage2 = (predict(params, 8, s, bucket_numel=1 << 22) for s in (Setup.DDP, Setup.STAGE2))
+    ddp, stage2 = (predict(params, 8, s, bucket_numel=1 << 22) for s in (DDP, 2))
     assert stage2.max_rank().optimizer * 8 < ddp.max_rank().optimizer * 1.01
     assert stage2.max_rank().grads * 8 < ddp.max_rank().grads * 1.01
     assert stage2.traffic.sent(8) == pytest.approx(ddp.traffic.sent(8), rel=1e-4)
 
 
-@pytest.mark.parametrize("setup", [Setup.STAGE1, Setup.STAGE2])
-def test_staging_is_bounded_by_the_bucket_at_every_world_size(setup):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_staging_is_bounded_by_the_bucket_at_every_world_size(stage):
     """gpt2-xl's float32 staging, from 8 to 1024 ranks: two buffers of one bucket each. A
     bucket closes once it holds bucket_numel elements, so it has fewer than 2 * bucket_numel
     (plus the flat padding); the embedding, larger than that, is staged on its own, transiently
     (with a per-rank bucket, stage 2 held twice the full gradients at W = 1024)."""
     params = load_params("gpt2-xl")
     for w in (8, 64, 1024):
-        p = predict(params, w, setup, bucket_numel=DEFAULT_BUCKET_NUMEL)
+        p = predict(params, w, stage, bucket_numel=DEFAULT_BUCKET_NUMEL)
         bound = 2 * (2 * DEFAULT_BUCKET_NUMEL + w * 16) * 4
         assert 0 < p.max_rank().buffers <= bound, w
 
@@ -166,7 +166,7 @@ def test_presets_have_the_published_parameter_counts(preset, tensors, numel):
     assert (len(params), sum(p.spec.numel for p in params)) == (tensors, numel)
 
 
-def test_plan_table_lists_every_setup_for_every_world_size(capsys):
+def test_plan_table_lists_every_stage_and_strategy_for_every_world_size(capsys):
     assert main(["plan", "gpt2-xl", "-w", "8", "1024"]) == 0
     out = capsys.readouterr().out
     assert "1,557,611,200 parameters" in out
@@ -182,9 +182,7 @@ def test_plan_json_holds_the_exact_bytes(capsys):
     )
     data = json.loads(capsys.readouterr().out)
     (entry,) = data["results"]
-    expected = predict(
-        load_params("gpt2-small"), 4, Setup.STAGE1, bucket_numel=DEFAULT_BUCKET_NUMEL
-    )
+    expected = predict(load_params("gpt2-small"), 4, 1, bucket_numel=DEFAULT_BUCKET_NUMEL)
     assert entry["max_rank_total"] == max(r.total for r in expected.ranks)
     assert entry["traffic"]["all_gather_bytes"] == expected.traffic.all_gather
     assert data["parameters"] == 124_439_808

@@ -1,7 +1,7 @@
 """shardopt.core: pure, JAX-style optimizers that match torch.optim, and partition planners.
 
 What a training loop calls is here; the building blocks for writing new transformations (tree
-helpers, ``leafwise``, flat rules, the validated configs of the fused optimizers) are in
+helpers, ``leafwise``, flat rules, the validated hyperparameters of the optimizers) are in
 :mod:`shardopt.core.blocks`.
 """
 

@@ -17,7 +17,7 @@ from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._transforms import add_decayed_weights, scale
 from shardopt.core._tree import PyTree, leafwise, tree_map
 
-__all__ = ["AdagradConfig", "ScaleByAdagradState", "adagrad", "scale_by_adagrad"]
+__all__ = ["AdagradHyperparams", "ScaleByAdagradState", "adagrad", "scale_by_adagrad"]
 
 
 class ScaleByAdagradState(NamedTuple):
@@ -81,7 +81,7 @@ def scale_by_adagrad(
 
 
 @dataclass(frozen=True, slots=True)
-class AdagradConfig:
+class AdagradHyperparams:
     """The validated hyperparameters of :func:`adagrad` (torch's names and rules)."""
 
     lr: ScalarOrSchedule = 1e-2
@@ -147,5 +147,5 @@ def adagrad(
         ValueError: for a hyperparameter torch rejects, e.g.
             ``adagrad: expected 0 <= lr_decay, got -1.0``.
     """
-    config = AdagradConfig(lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize)
-    return with_flat_rule(config.build(), functools.partial(update_adagrad_, config))
+    hp = AdagradHyperparams(lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize)
+    return with_flat_rule(hp.build(), functools.partial(update_adagrad_, hp))

@@ -24,7 +24,7 @@ from shardopt.core._transforms import ScaleByScheduleState, add_decayed_weights,
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
 __all__ = [
-    "AdamConfig",
+    "AdamHyperparams",
     "ScaleByAdamState",
     "adam",
     "adamw",
@@ -167,7 +167,7 @@ def add_decoupled_weight_decay(
 
 
 @dataclass(frozen=True, slots=True)
-class AdamConfig:
+class AdamHyperparams:
     """The validated hyperparameters of :func:`adam` and :func:`adamw` (torch's names and rules)."""
 
     api: str
@@ -214,7 +214,7 @@ class AdamConfig:
 
 
 def _pair(betas: Any) -> tuple[Beta, Beta]:
-    """``tuple(betas)``; its length is checked by :class:`AdamConfig`."""
+    """``tuple(betas)``; its length is checked by :class:`AdamHyperparams`."""
     return cast(tuple[Beta, Beta], tuple(betas))
 
 
@@ -248,10 +248,10 @@ def adam(
         ValueError: for a hyperparameter torch rejects, e.g.
             ``adam: expected 0 <= betas[0] < 1, got 1.5``.
     """
-    config = AdamConfig(
+    hp = AdamHyperparams(
         "adam", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, decoupled_weight_decay
     )
-    return with_flat_rule(config.build(), functools.partial(update_adam_, config))
+    return with_flat_rule(hp.build(), functools.partial(update_adam_, hp))
 
 
 def adamw(
@@ -274,5 +274,5 @@ def adamw(
         >>> apply_updates(params, updates)
         [tensor([0.8500])]
     """
-    config = AdamConfig("adamw", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, True)
-    return with_flat_rule(config.build(), functools.partial(update_adam_, config))
+    hp = AdamHyperparams("adamw", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, True)
+    return with_flat_rule(hp.build(), functools.partial(update_adam_, hp))

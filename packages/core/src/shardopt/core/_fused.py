@@ -21,10 +21,10 @@ Tensors = list[torch.Tensor]
 Lr = float | torch.Tensor
 
 
-class _Config(Protocol):
-    """What the rules read of an optimizer's validated config (``SGDConfig`` and the others, in
-    the optimizers' modules, frozen dataclasses; typed by shape here, so that this module
-    imports none of the optimizers that import it). Read-only: declared as properties."""
+class _Hyperparams(Protocol):
+    """What the rules read of an optimizer's validated hyperparameters (``SGDHyperparams`` and
+    the others, in the optimizers' modules, frozen dataclasses; typed by shape here, so that
+    this module imports none of the optimizers that import it). Read-only: properties."""
 
     @property
     def lr(self) -> ScalarOrSchedule: ...
@@ -35,7 +35,7 @@ class _Config(Protocol):
     def build(self) -> Transformation: ...
 
 
-class SGDLike(_Config, Protocol):
+class SGDLike(_Hyperparams, Protocol):
     @property
     def momentum(self) -> float: ...
     @property
@@ -44,7 +44,7 @@ class SGDLike(_Config, Protocol):
     def nesterov(self) -> bool: ...
 
 
-class AdamLike(_Config, Protocol):
+class AdamLike(_Hyperparams, Protocol):
     @property
     def eps(self) -> float: ...
     @property
@@ -56,7 +56,7 @@ class AdamLike(_Config, Protocol):
     def step_scalars(self, count: torch.Tensor, lr: Lr) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class AdagradLike(_Config, Protocol):
+class AdagradLike(_Hyperparams, Protocol):
     @property
     def eps(self) -> float: ...
     @property
@@ -168,7 +168,7 @@ def _kernel_lr(lr: Lr, device: torch.device) -> Lr:
 
 
 def _drive(
-    config: Any,
+    hp: Any,
     params: Tensors,
     grads: list[torch.Tensor | None],
     state: Sequence[Any],
@@ -185,7 +185,7 @@ def _drive(
     ps, gs = params if every else _pick(params, idx), [g for g in grads if g is not None]
     kernel = select_kernel(ps, gs, fused_on=fused_on) if supported else Kernel.PURE
     if kernel is Kernel.PURE:
-        update_flat_(config.build(), params, grads, state)
+        update_flat_(hp.build(), params, grads, state)
         return
     main, schedule_counts = split_state(state)
 
@@ -197,7 +197,7 @@ def _drive(
         lists = {f: select(v) for f, v in zip(main._fields, main) if v is not None}
     others = [select(c) for c in schedule_counts]
     counts = lists.get("count", others[0] if others else None)
-    kernels[kernel](config, ps, gs, lists, _learning_rates(config.lr, counts, len(idx)))
+    kernels[kernel](hp, ps, gs, lists, _learning_rates(hp.lr, counts, len(idx)))
     if others:
         torch._foreach_add_([c for cs in others for c in cs], 1)
 
@@ -267,17 +267,17 @@ def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
 # compare it with torch.optim.SGD(fused=True).
 
 
-def update_sgd_(config: SGDLike, params: Tensors, grads: list[Any], state: Any) -> None:
+def update_sgd_(hp: SGDLike, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.sgd` (see [Note: flat rules] and
     [Note: SGD on CPU is foreach])."""
-    damped = config.momentum != 0 and config.dampening != 0
-    plain = not isinstance(config.weight_decay, torch.Tensor)
+    damped = hp.momentum != 0 and hp.dampening != 0
+    plain = not isinstance(hp.weight_decay, torch.Tensor)
     kernels = {Kernel.FUSED: _fused_sgd, Kernel.FOREACH: _foreach_sgd}
     fused_on = frozenset() if damped else _SGD_FUSED_DEVICES
-    _drive(config, params, grads, state, kernels, fused_on=fused_on, supported=plain)
+    _drive(hp, params, grads, state, kernels, fused_on=fused_on, supported=plain)
 
 
-def _fused_sgd(config: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _fused_sgd(hp: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
     # Zero buffers make is_first_step unnecessary: see [Note: momentum buffer starts at zero].
     bufs = lists.get("momentum", [])
     for group in _fused_groups(ps, lrs):
@@ -285,28 +285,28 @@ def _fused_sgd(config: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list
             _pick(ps, group),
             _pick(gs, group),
             _pick(bufs, group) if bufs else [],
-            weight_decay=float(config.weight_decay),
-            momentum=config.momentum,
+            weight_decay=float(hp.weight_decay),
+            momentum=hp.momentum,
             lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
-            dampening=config.dampening,
-            nesterov=config.nesterov,
-            maximize=config.maximize,
+            dampening=hp.dampening,
+            nesterov=hp.nesterov,
+            maximize=hp.maximize,
             is_first_step=False,
         )
     if "count" in lists:
         torch._foreach_add_(lists["count"], 1)
 
 
-def _foreach_sgd(config: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
-    gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
-    if config.momentum != 0:
+def _foreach_sgd(hp: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    gs = _prepare_grads(hp.maximize, float(hp.weight_decay), ps, gs)
+    if hp.momentum != 0:
         bufs, counts = lists["momentum"], lists["count"]
-        _scale_(bufs, config.momentum)
-        torch._foreach_add_(bufs, gs, alpha=1 - config.dampening)
-        if config.dampening != 0:
+        _scale_(bufs, hp.momentum)
+        torch._foreach_add_(bufs, gs, alpha=1 - hp.dampening)
+        if hp.dampening != 0:
             for buf, g, n in zip(bufs, gs, counts):
                 buf.copy_(torch.where(n == 0, g, buf))
-        gs = list(torch._foreach_add(gs, bufs, alpha=config.momentum)) if config.nesterov else bufs
+        gs = list(torch._foreach_add(gs, bufs, alpha=hp.momentum)) if hp.nesterov else bufs
         torch._foreach_add_(counts, 1)
     _descend_(ps, gs, lrs)
 
@@ -322,15 +322,15 @@ def _foreach_sgd(config: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: li
 # to float32 tolerances against torch.optim, which a sharded step meets.
 
 
-def update_adam_(config: AdamLike, params: Tensors, grads: list[Any], state: Any) -> None:
+def update_adam_(hp: AdamLike, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
-    plain = not any(isinstance(x, torch.Tensor) for x in (*config.betas, config.weight_decay))
+    plain = not any(isinstance(x, torch.Tensor) for x in (*hp.betas, hp.weight_decay))
     kernels = {Kernel.FUSED: _fused_adam, Kernel.FOREACH: _foreach_adam}
-    _drive(config, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
+    _drive(hp, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
-def _fused_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
-    fn = torch._fused_adamw_ if config.decoupled_weight_decay else torch._fused_adam_
+def _fused_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    fn = torch._fused_adamw_ if hp.decoupled_weight_decay else torch._fused_adam_
     maxs = lists.get("nu_max", [])
     for group in _fused_groups(ps, lrs):
         steps = _pick(lists["count"], group)
@@ -343,19 +343,19 @@ def _fused_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: li
             _pick(maxs, group) if maxs else [],
             steps,
             lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
-            beta1=float(config.betas[0]),
-            beta2=float(config.betas[1]),
-            weight_decay=float(config.weight_decay),
-            eps=config.eps,
-            amsgrad=config.amsgrad,
-            maximize=config.maximize,
+            beta1=float(hp.betas[0]),
+            beta2=float(hp.betas[1]),
+            weight_decay=float(hp.weight_decay),
+            eps=hp.eps,
+            amsgrad=hp.amsgrad,
+            maximize=hp.maximize,
         )
 
 
-def _foreach_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
-    b1, b2 = float(config.betas[0]), float(config.betas[1])
-    wd, decoupled = float(config.weight_decay), config.decoupled_weight_decay
-    gs = _prepare_grads(config.maximize, 0.0 if decoupled else wd, ps, gs)
+def _foreach_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    b1, b2 = float(hp.betas[0]), float(hp.betas[1])
+    wd, decoupled = float(hp.weight_decay), hp.decoupled_weight_decay
+    gs = _prepare_grads(hp.maximize, 0.0 if decoupled else wd, ps, gs)
     if decoupled and wd != 0:
         for p, factor in zip(ps, _scalars_like([1 - lr * wd for lr in lrs], ps)):
             p.mul_(factor)
@@ -363,12 +363,12 @@ def _foreach_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: 
     torch._foreach_lerp_(mus, gs, 1 - b1)
     torch._foreach_mul_(nus, b2)
     torch._foreach_addcmul_(nus, gs, gs, value=1 - b2)
-    if config.amsgrad:
+    if hp.amsgrad:
         torch._foreach_maximum_(lists["nu_max"], nus)
-    denoms = torch._foreach_sqrt(lists["nu_max"] if config.amsgrad else nus)
-    scalars = [config.step_scalars(n, lr) for n, lr in zip(counts, lrs)]
+    denoms = torch._foreach_sqrt(lists["nu_max"] if hp.amsgrad else nus)
+    scalars = [hp.step_scalars(n, lr) for n, lr in zip(counts, lrs)]
     torch._foreach_div_(denoms, _scalars_like([bc2_sqrt for _, bc2_sqrt in scalars], ps))
-    torch._foreach_add_(denoms, config.eps)
+    torch._foreach_add_(denoms, hp.eps)
     updates = torch._foreach_mul(mus, _scalars_like([-step for step, _ in scalars], ps))
     torch._foreach_div_(updates, denoms)
     torch._foreach_add_(ps, updates)
@@ -378,16 +378,14 @@ def _foreach_adam(config: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: 
 # Adagrad -------------------------------------------------------------------------------------
 
 
-def update_adagrad_(config: AdagradLike, params: Tensors, grads: list[Any], state: Any) -> None:
+def update_adagrad_(hp: AdagradLike, params: Tensors, grads: list[Any], state: Any) -> None:
     """The flat rule of :func:`~shardopt.core.adagrad` (see [Note: flat rules])."""
-    plain = not isinstance(config.weight_decay, torch.Tensor)
+    plain = not isinstance(hp.weight_decay, torch.Tensor)
     kernels = {Kernel.FUSED: _fused_adagrad, Kernel.FOREACH: _foreach_adagrad}
-    _drive(config, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
+    _drive(hp, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
-def _fused_adagrad(
-    config: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
-) -> None:
+def _fused_adagrad(hp: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
     for group in _fused_groups(ps, lrs):
         steps = _pick(lists["count"], group)
         torch._foreach_add_(steps, 1)
@@ -397,22 +395,20 @@ def _fused_adagrad(
             _pick(lists["sum"], group),
             steps,
             lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
-            lr_decay=config.lr_decay,
-            weight_decay=float(config.weight_decay),
-            eps=config.eps,
-            maximize=config.maximize,
+            lr_decay=hp.lr_decay,
+            weight_decay=float(hp.weight_decay),
+            eps=hp.eps,
+            maximize=hp.maximize,
         )
 
 
-def _foreach_adagrad(
-    config: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]
-) -> None:
-    gs = _prepare_grads(config.maximize, float(config.weight_decay), ps, gs)
+def _foreach_adagrad(hp: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+    gs = _prepare_grads(hp.maximize, float(hp.weight_decay), ps, gs)
     sums, counts = lists["sum"], lists["count"]
     torch._foreach_addcmul_(sums, gs, gs, value=1)
     std = torch._foreach_sqrt(sums)
-    torch._foreach_add_(std, config.eps)
-    steps = [-config.step_size(n, lr) for n, lr in zip(counts, lrs)]
+    torch._foreach_add_(std, hp.eps)
+    steps = [-hp.step_size(n, lr) for n, lr in zip(counts, lrs)]
     updates = torch._foreach_mul(gs, _scalars_like(steps, ps))
     torch._foreach_div_(updates, std)
     torch._foreach_add_(ps, updates)

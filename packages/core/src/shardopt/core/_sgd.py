@@ -17,7 +17,7 @@ from shardopt.core._schedules import ScalarOrSchedule
 from shardopt.core._transforms import ScaleByScheduleState, add_decayed_weights, scale
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
-__all__ = ["SGDConfig", "TraceState", "sgd", "step_by_learning_rate", "trace"]
+__all__ = ["SGDHyperparams", "TraceState", "sgd", "step_by_learning_rate", "trace"]
 
 
 def step_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transformation:
@@ -107,7 +107,7 @@ def trace(momentum: float, dampening: float = 0.0, *, nesterov: bool = False) ->
 
 
 @dataclass(frozen=True, slots=True)
-class SGDConfig:
+class SGDHyperparams:
     """The validated hyperparameters of :func:`sgd` (torch's names and rules)."""
 
     lr: ScalarOrSchedule = 1e-3
@@ -169,5 +169,5 @@ def sgd(
         ValueError: for a hyperparameter torch rejects, e.g.
             ``sgd: expected 0 <= momentum, got -0.1``.
     """
-    config = SGDConfig(lr, momentum, dampening, weight_decay, nesterov, maximize)
-    return with_flat_rule(config.build(), functools.partial(update_sgd_, config))
+    hp = SGDHyperparams(lr, momentum, dampening, weight_decay, nesterov, maximize)
+    return with_flat_rule(hp.build(), functools.partial(update_sgd_, hp))

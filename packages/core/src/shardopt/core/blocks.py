@@ -2,17 +2,18 @@
 
 A training loop needs none of these; a new optimizer or an engine on top of core does: pytree
 helpers, ``leafwise`` (one rule per leaf, with counts), ``init_count``, schedules' ``resolve``,
-flat rules (the fast path over flat buffers, see [Note: flat fast path]), the validated configs
-that the fused optimizers run from, and the torch compatibility record of every optimizer
-([Note: torch compatibility records]).
+flat rules (the fast path over flat buffers, see [Note: flat fast path]), the validated
+hyperparameters that the fused optimizers run from (every optimizer keeps its own in a frozen
+``<Name>Hyperparams``), and the torch compatibility record of every optimizer ([Note: torch
+compatibility records]).
 """
 
-from shardopt.core._adagrad import AdagradConfig
-from shardopt.core._adam import AdamConfig
+from shardopt.core._adagrad import AdagradHyperparams
+from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count
 from shardopt.core._flat import FlatRule, flat_rule, with_flat_rule
 from shardopt.core._schedules import resolve
-from shardopt.core._sgd import SGDConfig
+from shardopt.core._sgd import SGDHyperparams
 from shardopt.core._torch_compat import TORCH_COMPAT, TorchCompat, torch_compat
 from shardopt.core._tree import (
     PyTree,
@@ -25,11 +26,11 @@ from shardopt.core._tree import (
 
 __all__ = [
     "TORCH_COMPAT",
-    "AdagradConfig",
-    "AdamConfig",
+    "AdagradHyperparams",
+    "AdamHyperparams",
     "FlatRule",
     "PyTree",
-    "SGDConfig",
+    "SGDHyperparams",
     "TorchCompat",
     "flat_rule",
     "init_count",

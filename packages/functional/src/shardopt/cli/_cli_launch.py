@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import multiprocessing
-import multiprocessing.connection
+import functools
+import glob
+import json
+import logging
 import os
 import sys
+import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 __all__ = [
     "TorchrunEnv",
@@ -26,20 +35,26 @@ __all__ = [
 ]
 
 # [Note: CLI worlds]
-# A test harness collects what ranks print and replays it when the world ends: right for tests,
-# wrong for a progress bar. So the CLI starts its ranks itself, as children that share the
-# terminal (rank 0 draws the bar, the others print nothing), with a TCPStore held by the parent
-# on a port the system picks. Ranks are spawned (fresh interpreters given this process's
-# sys.path, so ``fn`` is any module-level function importable here); torch's import costs a
-# second or two per world, nothing beside a demo or a bench. Every rank is stopped and reaped
-# whatever happens: a failure in one rank, a timeout, or Ctrl-C in the parent.
-_EXIT_GRACE_S = 10.0
-_FAILURE_GRACE_S = 1.0
-# [Note: first failure]
-# When a rank fails, its peers soon fail too (their collectives lose a peer), and their reports
-# may arrive first. So after a first failure the others get a moment to report, and the failure
-# that happened first (ranks stamp it with the machine's monotonic clock, shared by its
-# processes) is the one raised; a rank that died without a word comes before all.
+# The CLI runs in one of two worlds, by one path. Under torchrun, this process is a rank:
+# ``run_under_torchrun`` joins the world from torchrun's variables. Run plainly, ``launch`` starts
+# the ranks on this machine with torch's elastic launcher, the API behind torchrun (an agent in this
+# process, a c10d rendezvous on a port the system picks, ranks spawned as fresh interpreters given
+# this process's sys.path, so ``fn`` is any module-level function importable here), and each rank
+# runs ``run_under_torchrun`` too. The ranks share this terminal (rank 0 draws the progress bar, the
+# others print nothing; a test harness would hold the output back until the world ends). With no
+# restarts, the agent stops every rank when it sees one exit with an error, and reports that one
+# (only: its exit code). A rank that fails writes a report (its traceback and the machine's
+# monotonic clock, shared by its processes) while the world is still up; ``launch`` raises the
+# earliest report. Its peers soon fail too (their collectives lose a peer), so a rank that reported
+# waits a moment before it exits: a rank that dies without a word (a signal, ``os._exit``) exits at
+# once, the agent sees it first, and it is raised as the root cause. The agent has no deadline, so
+# each rank keeps its own: at ``timeout`` after the launch it exits with code ``_TIMED_OUT``, which
+# the agent reports like any failure and ``launch`` raises as a TimeoutError. Ctrl-C in this process
+# reaches the agent, which stops the ranks.
+_TIMED_OUT = 124
+_REPORT = "shardopt-failure.json"
+_REPORTED_EXIT_DELAY_S = 0.5
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torchelastic")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -118,8 +133,10 @@ def leave_torchrun_worker(status: int) -> NoReturn:
     # sometimes aborts while the interpreter tears down ("terminate called without an active
     # exception", SIGABRT, no Python frame: torch's C++ state destroyed at exit; seen about once
     # in ten runs on a loaded 2-core machine, torch 2.13 CPU, gloo). torchrun then reports the
-    # whole run failed. The ranks that multiprocessing starts never run that teardown (it ends
-    # them with os._exit), so a torchrun worker ends the same way, after flushing its output.
+    # whole run failed. So a torchrun worker of the demo ends with os._exit, after flushing its
+    # output. The ranks ``launch`` starts cannot: they hand their result to the elastic agent
+    # when ``fn`` returns, then exit normally (24 local demo runs, 12 of them beside two busy
+    # loops, saw no abort there).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -127,39 +144,44 @@ def leave_torchrun_worker(status: int) -> NoReturn:
 
 def _rank_main(
     fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    rank: int,
-    world_size: int,
     backend: str,
-    port: int,
     timeout: float,
+    deadline: float,
     threads: int,
-    conn: multiprocessing.connection.Connection,
-) -> None:
-    """The body of one local rank: join the world, run ``fn``, send back its result."""
+    args: tuple[Any, ...],
+) -> Any:
+    """One local rank, started by the elastic agent: torchrun's path, with a deadline and a
+    failure report (see [Note: CLI worlds])."""
     torch.set_num_threads(threads)
-    delta = datetime.timedelta(seconds=timeout)
-    joined = False
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), os._exit, (_TIMED_OUT,))
+    watchdog.daemon = True
+    watchdog.start()
+    env = torchrun_env()
+    assert env is not None, "the elastic agent sets torchrun's variables"
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=delta)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=delta
+        result = run_under_torchrun(
+            functools.partial(_reported, fn), env, backend, *args, timeout=timeout
         )
-        joined = True
-        report: tuple[str, Any, float] = ("ok", fn(rank, world_size, *args), 0.0)
-    except BaseException:  # stamped before leaving the world: see [Note: first failure]
-        report = ("error", traceback.format_exc(), time.monotonic())
+        watchdog.cancel()  # done: what is left is waiting for the agent to collect the result
+        return result
+    except BaseException:  # reported already; see [Note: CLI worlds] for the wait
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(_REPORTED_EXIT_DELAY_S)
+        os._exit(1)
+
+
+def _reported(fn: Callable[..., Any], rank: int, world_size: int, *args: Any) -> Any:
+    """``fn(rank, world_size, *args)``; a failure is written to this rank's error file first,
+    stamped with the machine's monotonic clock, while the world is still up."""
     try:
-        if joined:
-            dist.destroy_process_group()
-        try:
-            conn.send(report)
-        except Exception:  # a result that does not pickle
-            conn.send(("error", traceback.format_exc(), time.monotonic()))
-    finally:
-        conn.close()
+        return fn(rank, world_size, *args)
+    except BaseException:
+        report = {"rank": rank, "when": time.monotonic(), "traceback": traceback.format_exc()}
+        where = os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])  # this rank's log dir
+        with open(os.path.join(where, _REPORT), "w", encoding="utf-8") as file:
+            json.dump(report, file)
+        raise
 
 
 def launch(
@@ -178,86 +200,62 @@ def launch(
     """
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"{api}: expected world size >= 1, got {world_size!r}")
-    context = multiprocessing.get_context("spawn")
-    delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs: list[Any] = []
-    conns: list[Any] = []
-    finished = False
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="shardopt-launch-") as logs:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world_size,
+            run_id=f"shardopt-{uuid.uuid4().hex}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"timeout": max(1, int(timeout))},
+            max_restarts=0,
+            monitor_interval=0.05,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        entry = elastic_launch(config, _rank_main)
+        error = None
+        try:
+            with _quiet_agent():
+                results = entry(fn, backend, timeout, deadline, threads, args)
+        except ChildFailedError as exc:
+            error = _failure(exc, logs, api)
+    if error is not None:
+        raise error  # outside the handler: no context that would keep the agent alive
+    return [results[rank] for rank in range(world_size)]
+
+
+def _failure(exc: ChildFailedError, logs: str, api: str) -> Exception:
+    """The error of the rank that failed first (see [Note: CLI worlds])."""
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode == _TIMED_OUT:
+        stuck = sorted(r for r, f in exc.failures.items() if f.exitcode == _TIMED_OUT)
+        return TimeoutError(f"{api}: ranks {stuck} still running after the timeout")
+    reports = {}
+    for path in glob.glob(os.path.join(logs, "**", _REPORT), recursive=True):
+        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as file:
+            report = json.load(file)
+            reports[report["rank"]] = (report["when"], report["traceback"])
+    if rank not in reports:  # died without a word: the likeliest root cause
+        return RuntimeError(f"{api}: rank {rank} exited (code {failure.exitcode}) without a result")
+    rank = min(reports, key=lambda r: reports[r][0])
+    trace = reports[rank][1]
+    return RuntimeError(f"{api}: rank {rank} failed:\n{trace}")
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """Silences the elastic agent's own log lines (its failure table repeats what we raise)."""
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(_AGENT_LOGGERS)]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
-        for rank in range(world_size):
-            mine, theirs = context.Pipe(duplex=False)
-            proc = context.Process(
-                target=_rank_main,
-                args=(
-                    fn,
-                    args,
-                    rank,
-                    world_size,
-                    backend,
-                    store.port,
-                    timeout,
-                    threads,
-                    theirs,
-                ),
-                name=f"shardopt-rank-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()
-            procs.append(proc)
-            conns.append(mine)
-        results = _collect(procs, conns, time.monotonic() + timeout, api)
-        finished = True
-        return results
+        yield
     finally:
-        _stop(procs, _EXIT_GRACE_S if finished else 0.0)
-        for conn in conns:
-            conn.close()
-        del store
-
-
-def _collect(procs: list[Any], conns: list[Any], deadline: float, api: str) -> list[Any]:
-    """The ranks' results; or raises the root failure (see [Note: first failure])."""
-    results: dict[int, Any] = {}
-    failures: list[tuple[float, int, str]] = []  # (when, rank, what)
-    waiting = dict(enumerate(conns))
-    while waiting:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready = multiprocessing.connection.wait(list(waiting.values()), timeout=left)
-        for rank in [r for r, c in waiting.items() if c in ready]:
-            try:
-                status, value, when = waiting.pop(rank).recv()
-            except EOFError:
-                procs[rank].join(1.0)
-                status, when = "exit", 0.0  # a dead rank is the likeliest root cause
-                value = f"exited (code {procs[rank].exitcode}) without a result"
-            if status == "ok":
-                results[rank] = value
-            else:
-                failures.append((when, rank, value))
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-    if failures:
-        _, rank, what = min(failures)
-        kind = "failed:\n" if what.startswith("Traceback") else ""
-        raise RuntimeError(f"{api}: rank {rank} {kind}{what}")
-    if waiting:
-        raise TimeoutError(f"{api}: ranks {sorted(waiting)} still running after the timeout")
-    return [results[rank] for rank in range(len(conns))]
-
-
-def _stop(procs: list[Any], grace: float) -> None:
-    """Reaps the ranks: those still running get ``grace`` seconds to exit, then are stopped."""
-    until = time.monotonic() + grace
-    for proc in procs:
-        proc.join(max(0.0, until - time.monotonic()))
-        if proc.exitcode is None:
-            proc.terminate()
-            proc.join(1.0)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-        proc.close()
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from shardopt.cli._plan_cli_predict import ParamSpec, Prediction, Setup, predict
+from shardopt.cli._plan_cli_predict import DDP, ParamSpec, Prediction, predict
 from shardopt.cli._plan_cli_source import load_params
 from shardopt.core import DEFAULT_BUCKET_NUMEL
 
@@ -55,13 +55,13 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _setups(stages: Sequence[int], strategies: Sequence[str]) -> list[tuple[Setup, str]]:
+def _rows(stages: Sequence[int], strategies: Sequence[str]) -> list[tuple[int, str]]:
     out = []
     for stage in stages:
-        if stage == 0:
-            out.append((Setup.DDP, "flat"))
+        if stage == DDP:
+            out.append((DDP, "flat"))
         else:
-            out.extend((Setup(stage), s) for s in strategies)
+            out.extend((stage, s) for s in strategies)
     return out
 
 
@@ -75,7 +75,7 @@ def plan_report(
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     algorithm: str = "collective",
 ) -> list[Prediction]:
-    """Every requested setup at every world size, in that order.
+    """Every requested stage and strategy at every world size, in that order.
 
     Example:
         >>> from shardopt.core import TensorSpec
@@ -90,14 +90,14 @@ def plan_report(
         predict(
             params,
             w,
-            setup,
+            stage,
             strategy=strategy,
             master_dtype=master_dtype,
             bucket_numel=bucket_numel,
             algorithm=algorithm,
         )
         for w in world_sizes
-        for setup, strategy in _setups(stages, strategies)
+        for stage, strategy in _rows(stages, strategies)
     ]
 
 
@@ -116,8 +116,8 @@ def assumptions(algorithm: str) -> list[str]:
 
 
 def render_table(title: str, predictions: Sequence[Prediction], algorithm: str) -> str:
-    """The predictions as text: one section per world size, one row per setup."""
-    header = ["setup", *_COLUMNS, "imbalance", "sent/step"]
+    """The predictions as text: one section per world size, one row per stage and strategy."""
+    header = ["stage", *_COLUMNS, "imbalance", "sent/step"]
     lines = [title]
     for a in assumptions(algorithm):
         lines.extend(textwrap.wrap(a, 98, initial_indent="  ", subsequent_indent="    "))
@@ -139,8 +139,8 @@ def _as_json(
         top = p.max_rank()
         return {
             "world_size": p.world_size,
-            "setup": p.label,
-            "stage": p.setup.value,
+            "label": p.label,
+            "stage": p.stage,
             "strategy": p.strategy,
             "max_rank_bytes": {c: getattr(top, c) for c in _COLUMNS[:-1]},
             "max_rank_total": max(r.total for r in p.ranks),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +11,7 @@ import torch
 from shardopt.core import TensorSpec, plan_partition
 from shardopt.functional import RankBytes, Traffic, layout_cost
 
-__all__ = ["ParamSpec", "Prediction", "Setup", "predict"]
+__all__ = ["DDP", "ParamSpec", "Prediction", "predict"]
 
 # [Note: what plan predicts]
 # shardopt's rows come from ``shardopt.functional.layout_cost`` over the plan that
@@ -24,12 +23,9 @@ __all__ = ["ParamSpec", "Prediction", "Setup", "predict"]
 # the model's forward, not on the partition.
 
 
-class Setup(enum.Enum):
-    """What holds the optimizer: DDP with torch.optim (stage 0), or shardopt stage 1 or 2."""
-
-    DDP = 0
-    STAGE1 = 1
-    STAGE2 = 2
+# A prediction's ``stage`` is the CLI's ``--stage``: 0 is DDP with torch.optim (nothing
+# sharded), 1 and 2 are shardopt.functional's Stage.
+DDP = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +43,9 @@ class ParamSpec:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """Per-rank bytes and per-step traffic of one setup at one world size."""
+    """Per-rank bytes and per-step traffic of one stage (and strategy) at one world size."""
 
-    setup: Setup
+    stage: int
     strategy: str | None
     world_size: int
     ranks: tuple[RankBytes, ...]
@@ -59,9 +55,9 @@ class Prediction:
     @property
     def label(self) -> str:
         """``"DDP"`` or e.g. ``"stage 1 flat"``."""
-        if self.setup is Setup.DDP:
+        if self.stage == DDP:
             return "DDP"
-        return f"stage {self.setup.value} {self.strategy}"
+        return f"stage {self.stage} {self.strategy}"
 
     def max_rank(self) -> RankBytes:
         """Each field's maximum over the ranks."""
@@ -85,15 +81,13 @@ def _predict_ddp(
         state += 2 * s.numel * (m or size) + 4
         master_bytes += s.numel * (m or 0)
     rank = RankBytes(sum(p.spec.nbytes for p in params), grads, state, master_bytes, 0)
-    return Prediction(
-        Setup.DDP, None, world_size, (rank,) * world_size, Traffic(grads, 0, 0, 0), 1.0
-    )
+    return Prediction(DDP, None, world_size, (rank,) * world_size, Traffic(grads, 0, 0, 0), 1.0)
 
 
 def predict(
     params: Sequence[ParamSpec],
     world_size: int,
-    setup: Setup,
+    stage: int,
     *,
     strategy: str = "flat",
     master_dtype: torch.dtype | None = None,
@@ -102,7 +96,7 @@ def predict(
     algorithm: str = "collective",
     grads_averaged: bool = False,
 ) -> Prediction:
-    """The exact per-rank bytes and per-step traffic of ``setup`` (see [Note: what plan
+    """The exact per-rank bytes and per-step traffic of ``stage`` (0: DDP; see [Note: what plan
     predicts]).
 
     ``strategy``, ``align`` and ``bucket_numel`` are ``plan_partition``'s (ignored for DDP);
@@ -111,7 +105,7 @@ def predict(
 
     Example:
         >>> params = [ParamSpec("w", TensorSpec((10, 10), "float32", "cpu"))]
-        >>> p = predict(params, 4, Setup.STAGE2)
+        >>> p = predict(params, 4, 2)
         >>> p.ranks[0], p.traffic.sent(4)
         (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
     """
@@ -119,7 +113,9 @@ def predict(
         raise ValueError(f"plan: expected algorithm collective or exchange, got {algorithm!r}")
     if not any(p.trainable for p in params):
         raise ValueError("plan: expected at least one trainable parameter, got none")
-    if setup is Setup.DDP:
+    if stage not in (DDP, 1, 2):
+        raise ValueError(f"plan: expected stage 0 (DDP), 1 or 2, got {stage!r}")
+    if stage == DDP:
         return _predict_ddp(params, world_size, master_dtype)
     trainable = [p.spec for p in params if p.trainable]
     plan = plan_partition(
@@ -127,7 +123,7 @@ def predict(
     )
     ranks, traffic = layout_cost(
         plan,
-        stage=setup.value,
+        stage=stage,
         grads_averaged=grads_averaged,
         master_dtype=master_dtype,
         algorithm=algorithm,
@@ -135,4 +131,4 @@ def predict(
     )
     if grads_averaged:  # DDP's all-reduce, before a stage 1 step that takes its gradients
         traffic = dataclasses.replace(traffic, all_reduce=sum(s.nbytes for s in trainable))
-    return Prediction(setup, plan.strategy.value, world_size, ranks, traffic, plan.imbalance())
+    return Prediction(stage, plan.strategy.value, world_size, ranks, traffic, plan.imbalance())
