@@ -137,6 +137,34 @@ def test_step_refuses_gradients_while_hooks_reduce_them(run_world):
         assert message.startswith("shard: expected grads=None in step when gradient hooks")
 
 
+def reduced_when_backward_returns(rank: int, world: int, stage: int) -> tuple[bool, float]:
+    """(whether a reduction was in flight when backward returned, the largest difference of the
+    shards from the rank-averaged gradients then)."""
+    net, ref = MLP(), MLP()
+    ref.load_state_dict(net.state_dict())
+    params = list(net.parameters())
+    plan = plan_partition(params, world, bucket_numel=272)
+    state = shard(adam(1e-2), plan, stage=stage).init(params)
+    register_grad_hooks(params, state)
+    gen = torch.Generator().manual_seed(rank)
+    net(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+    pending = state.layout.grads_pending
+    shards = [s.clone() for s in state.reducer.shards]  # read before anything else waits
+    for r in range(world):
+        gen = torch.Generator().manual_seed(r)
+        (ref(torch.randn(8, 16, generator=gen)).pow(2).mean() / world).backward()
+    expected = state.layout.grad_views([p.grad for p in ref.parameters()])
+    got = state.layout.piece_views(shards)
+    return pending, max((a - b).abs().max().item() for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_backward_returns_with_the_gradient_shards_reduced_as_ddp_does(run_world, stage):
+    for pending, err in run_world(reduced_when_backward_returns, 2, stage):
+        assert not pending
+        assert err < 1e-6
+
+
 def already_averaged(rank: int, world: int) -> str:
     params = list(make_net().parameters())
     state = shard(adam(), plan_partition(params, world), grads_averaged=True).init(params)

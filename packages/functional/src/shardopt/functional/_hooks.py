@@ -27,7 +27,11 @@ __all__ = [
 # reduce-scatter runs while backward computes the buckets before it. At the end of each backward
 # pass (an autograd engine callback) the buckets still waiting, those of parameters that got no
 # gradient in that pass, are launched in the same order with zeros. Every backward pass therefore
-# launches every bucket exactly once, on every rank. ``GradHooks.launched_early`` reports the
+# launches every bucket exactly once, on every rank. The callback then waits for the reductions,
+# so ``backward()`` returns with the gradient shards complete, as DDP's returns with the
+# gradients averaged: ``step`` is then the optimizer's work alone (compare it with torch's
+# ``step``, which never includes DDP's all-reduce), and nothing is lost, for step would have
+# waited first thing. ``GradHooks.launched_early`` reports the
 # fraction of the last pass's elements launched while some gradient of the pass was still to
 # come (before the last gradient hook): the part of the reduction that backward can hide.
 #
@@ -169,6 +173,7 @@ class GradReducer:
     def _end_of_backward(self) -> None:
         while self._pos < len(self.order):
             self._launch_next()
+        self.layout.finish_grad_sync()  # backward returns with the shards complete, as DDP's
         total = sum(n for _, n in self._launches)
         early = sum(n for run, n in self._launches if run < self._hooks_run)
         self.launched_early = early / total if total else 0.0

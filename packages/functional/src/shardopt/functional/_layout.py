@@ -65,11 +65,12 @@ BucketKey = tuple[int, int]  # (plan group, bucket in the group)
 # per piece.
 #
 # [Note: deferred parameter sync]
-# ``step`` ends by launching each bucket's all-gather as soon as the bucket's pieces are updated.
-# By default it then waits for them all. With ``register_param_hooks`` it returns at once instead,
-# and the gathers run while the caller starts the next forward: each module's forward pre-hook
-# waits for the buckets holding its parameters, so compute on a bucket starts when that bucket
-# has arrived. Until then the parameters hold a mix of old and new values, so everything that
+# ``step`` ends by launching each bucket's all-gather as soon as the bucket's pieces are updated,
+# and by default waits for them all. With ``register_param_hooks`` it updates every piece first,
+# then launches the gathers in bucket order and returns at once ([Note: update and gather
+# pipeline]); the gathers run while the caller starts the next forward: each module's forward
+# pre-hook waits for the buckets holding its parameters, so compute on a bucket starts when that
+# bucket has arrived. Until then the parameters hold a mix of old and new values, so everything that
 # reads them outside a forward waits first: the next ``step`` (its update writes the shards the
 # gathers are sending), ``sharded_state_dict``, ``consolidate_state_dict``, ``save_checkpoint``,
 # the drop-in's ``state_dict``, and the public ``wait_params(state)`` for the caller's own reads
@@ -322,6 +323,11 @@ class FlatLayout:
             scratch=scratch,
         )
         self._grads.push(tag, pending)
+
+    @property
+    def grads_pending(self) -> bool:
+        """Whether some gradient sync is still in flight."""
+        return len(self._grads) > 0
 
     def finish_grad_sync(self) -> None:
         """Waits for every gradient sync in flight (their shards are then complete)."""
