@@ -267,3 +267,26 @@ def test_plan_imports_neither_pytest_nor_the_test_harness():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
+
+
+def test_plan_prices_a_hybrid_mesh_per_link_kind(capsys):
+    assert (
+        main(["plan", "gpt2-small", "--mesh", "2x4", "-w", "8", "--stage", "0", "2", "--json"]) == 0
+    )
+    results = json.loads(capsys.readouterr().out)["results"]
+    flat = {(r["label"], r["replicas"]): r for r in results}
+    hybrid, sharded = flat[("stage 2 flat", 2)], flat[("stage 2 flat", 1)]
+    assert (hybrid["world_size"], sharded["world_size"]) == (4, 8)
+    # the state is sharded over 4 ranks instead of 8: twice the optimizer bytes per rank
+    ratio = hybrid["max_rank_bytes"]["optimizer"] / sharded["max_rank_bytes"]["optimizer"]
+    assert ratio == pytest.approx(2.0, rel=1e-3)
+    # across replicas: a ring all-reduce of one rank's gradient shard (1/4 of the gradients)
+    grads = flat[("DDP", 2)]["max_rank_bytes"]["grads"]  # DDP holds all of them
+    assert hybrid["traffic"]["sent_per_rank_to_replicas"] == pytest.approx(grads / 4, rel=1e-3)
+    assert flat[("DDP", 2)]["world_size"] == 8
+
+
+def test_plan_refuses_a_malformed_mesh(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "gpt2-small", "--mesh", "2x0"])
+    assert "expected a mesh RxS of positive sizes, got '2x0'" in capsys.readouterr().err

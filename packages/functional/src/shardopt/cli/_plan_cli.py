@@ -74,8 +74,10 @@ def plan_report(
     master_dtype: torch.dtype | None = None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     algorithm: str = "collective",
+    meshes: Sequence[tuple[int, int]] = (),
 ) -> list[Prediction]:
-    """Every requested stage and strategy at every world size, in that order.
+    """Every requested stage and strategy at every world size, then on every (replicas,
+    shards) mesh (hybrid sharding; DDP over all its ranks), in that order.
 
     Example:
         >>> from shardopt.core import TensorSpec
@@ -83,30 +85,35 @@ def plan_report(
         >>> [p.label for p in plan_report(params, [2], stages=(0, 2), strategies=("flat",))]
         ['DDP', 'stage 2 flat']
     """
-    for w in world_sizes:
+    for w in [*world_sizes, *(r * s for r, s in meshes)]:
         if type(w) is not int or not 1 <= w <= MAX_WORLD_SIZE:
             raise ValueError(f"plan: expected world sizes in [1, {MAX_WORLD_SIZE}], got {w!r}")
+    worlds = [(1, w) for w in world_sizes] + list(meshes)
     return [
         predict(
             params,
-            w,
+            s * r if stage == DDP else s,
             stage,
             strategy=strategy,
             master_dtype=master_dtype,
             bucket_numel=bucket_numel,
             algorithm=algorithm,
+            replicas=r,
         )
-        for w in world_sizes
+        for r, s in worlds
         for stage, strategy in _rows(stages, strategies)
     ]
 
 
-def _row(p: Prediction) -> list[str]:
+def _row(p: Prediction, mesh: bool = False) -> list[str]:
     top = p.max_rank()
     totals = max(r.total for r in p.ranks)
     cells = [getattr(top, c) for c in _COLUMNS[:-1]] + [totals]
     sent = p.traffic.sent(p.world_size)
-    return [p.label, *map(format_bytes, cells), f"{p.imbalance:.3f}", format_bytes(sent)]
+    row = [p.label, *map(format_bytes, cells), f"{p.imbalance:.3f}", format_bytes(sent)]
+    if mesh:
+        row.append("-" if p.stage == DDP else format_bytes(p.replica_sent))
+    return row
 
 
 def assumptions(algorithm: str) -> list[str]:
@@ -117,15 +124,22 @@ def assumptions(algorithm: str) -> list[str]:
 
 def render_table(title: str, predictions: Sequence[Prediction], algorithm: str) -> str:
     """The predictions as text: one section per world size, one row per stage and strategy."""
-    header = ["stage", *_COLUMNS, "imbalance", "sent/step"]
     lines = [title]
     for a in assumptions(algorithm):
         lines.extend(textwrap.wrap(a, 98, initial_indent="  ", subsequent_indent="    "))
-    sizes = list(dict.fromkeys(p.world_size for p in predictions))
-    for w in sizes:
-        rows = [header] + [_row(p) for p in predictions if p.world_size == w]
+    for replicas, ranks in dict.fromkeys(p.section for p in predictions):
+        header = ["stage", *_COLUMNS, "imbalance", "sent/step"]
+        lines.append(f"\nworld size {ranks}")
+        if replicas > 1:
+            header[-1] = "sent/step in a shard group"
+            header.append("sent/step to replicas")
+            lines[-1] = (
+                f"\nmesh {replicas}x{ranks}: {replicas} replicas of {ranks}-rank shard groups "
+                f"({replicas * ranks} ranks; DDP: a ring over all of them)"
+            )
+        section = [p for p in predictions if p.section == (replicas, ranks)]
+        rows = [header] + [_row(p, replicas > 1) for p in section]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines.append(f"\nworld size {w}")
         for r in rows:
             cells = [r[0].ljust(widths[0])] + [c.rjust(n) for c, n in zip(r[1:], widths[1:])]
             lines.append("  ".join(cells))
@@ -139,6 +153,7 @@ def _as_json(
         top = p.max_rank()
         return {
             "world_size": p.world_size,
+            "replicas": p.replicas,
             "label": p.label,
             "stage": p.stage,
             "strategy": p.strategy,
@@ -153,6 +168,7 @@ def _as_json(
                 "shardopt_collectives": p.traffic.collectives,
                 "sent_per_rank": p.traffic.sent(p.world_size),
                 "received_per_rank": p.traffic.sent(p.world_size),
+                "sent_per_rank_to_replicas": p.replica_sent,
             },
         }
 
@@ -184,6 +200,7 @@ def run_plan(args: argparse.Namespace) -> int:
         master_dtype=master,
         bucket_numel=bucket,
         algorithm=args.algorithm,
+        meshes=args.mesh,
     )
     if args.json:
         print(json.dumps(_as_json(args.source, params, predictions, args.algorithm), indent=2))
@@ -221,6 +238,15 @@ def add_plan_parser(commands: Any) -> None:
         help=f"world sizes, up to {MAX_WORLD_SIZE} (default: 2 8 64)",
     )
     p.add_argument(
+        "--mesh",
+        type=_mesh,
+        nargs="+",
+        default=[],
+        metavar="RxS",
+        help="also hybrid sharding on an R x S mesh: R replicas of S-rank shard groups "
+        "(shard(..., group=mesh) with dims ('replicate', 'shard'))",
+    )
+    p.add_argument(
         "--stage",
         type=int,
         nargs="+",
@@ -238,6 +264,14 @@ def add_plan_parser(commands: Any) -> None:
     _add_dtype_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run_plan)
+
+
+def _mesh(text: str) -> tuple[int, int]:
+    """``"8x16"`` -> (8, 16): replicas x shards."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a mesh RxS of positive sizes, got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def _add_dtype_options(p: argparse.ArgumentParser) -> None:

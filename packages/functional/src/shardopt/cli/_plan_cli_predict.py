@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shardopt.core import TensorSpec, plan_partition
-from shardopt.functional import RankBytes, Traffic, layout_cost
+from shardopt.functional import RankBytes, Traffic, layout_cost, replica_bytes
 
 __all__ = ["DDP", "ParamSpec", "Prediction", "predict"]
 
@@ -51,6 +51,15 @@ class Prediction:
     ranks: tuple[RankBytes, ...]
     traffic: Traffic
     imbalance: float
+    replicas: int = 1  # hybrid sharding: world_size is the "shard" dim, replicas the other
+    replica_sent: int = 0  # bytes each rank sends to the other replicas per step
+
+    @property
+    def section(self) -> tuple[int, int]:
+        """(replicas, ranks per replica): the world or mesh this prediction belongs to."""
+        if self.stage == DDP:
+            return self.replicas, self.world_size // self.replicas
+        return self.replicas, self.world_size
 
     @property
     def label(self) -> str:
@@ -95,13 +104,16 @@ def predict(
     align: int | None = None,
     algorithm: str = "collective",
     grads_averaged: bool = False,
+    replicas: int = 1,
 ) -> Prediction:
     """The exact per-rank bytes and per-step traffic of ``stage`` (0: DDP; see [Note: what plan
     predicts]).
 
     ``strategy``, ``align`` and ``bucket_numel`` are ``plan_partition``'s (ignored for DDP);
     ``master_dtype``, ``grads_averaged`` and ``algorithm`` (``"collective"`` or ``"exchange"``,
-    not ``"auto"``) ``shard``'s.
+    not ``"auto"``) ``shard``'s. ``replicas > 1``: hybrid sharding over a mesh of ``replicas`` x
+    ``world_size`` ranks (shardopt.functional's [Note: hybrid sharding]); ``traffic`` is then
+    that of the "shard" groups and ``replica_sent`` what a rank sends to the other replicas.
 
     Example:
         >>> params = [ParamSpec("w", TensorSpec((10, 10), "float32", "cpu"))]
@@ -115,8 +127,10 @@ def predict(
         raise ValueError("plan: expected at least one trainable parameter, got none")
     if stage not in (DDP, 1, 2):
         raise ValueError(f"plan: expected stage 0 (DDP), 1 or 2, got {stage!r}")
-    if stage == DDP:
-        return _predict_ddp(params, world_size, master_dtype)
+    if stage == DDP:  # over all ranks, the mesh's too
+        return dataclasses.replace(
+            _predict_ddp(params, world_size, master_dtype), replicas=replicas
+        )
     trainable = [p.spec for p in params if p.trainable]
     plan = plan_partition(
         trainable, world_size, strategy=strategy, align=align, bucket_numel=bucket_numel
@@ -131,4 +145,10 @@ def predict(
     )
     if grads_averaged:  # DDP's all-reduce, before a stage 1 step that takes its gradients
         traffic = dataclasses.replace(traffic, all_reduce=sum(s.nbytes for s in trainable))
-    return Prediction(stage, plan.strategy.value, world_size, ranks, traffic, plan.imbalance())
+    across = 0
+    if replicas > 1 and not grads_averaged:
+        shard_bytes = max(replica_bytes(plan, r) for r in range(world_size))
+        across = Traffic(shard_bytes, 0, 0, 0).sent(replicas)  # a ring all-reduce
+    return Prediction(
+        stage, plan.strategy.value, world_size, ranks, traffic, plan.imbalance(), replicas, across
+    )

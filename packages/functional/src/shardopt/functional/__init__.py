@@ -7,7 +7,7 @@ from shardopt.functional._collectives import (
     all_gather_bucket,
     reduce_scatter_bucket,
 )
-from shardopt.functional._cost import RankBytes, Traffic, layout_cost
+from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_bytes
 from shardopt.functional._dcp import load_checkpoint, save_checkpoint
 from shardopt.functional._hooks import (
     GradHooks,
@@ -56,6 +56,7 @@ __all__ = [
     "load_torch_state_dict",
     "local_sgd_step",
     "reduce_scatter_bucket",
+    "replica_bytes",
     "register_grad_hooks",
     "register_param_hooks",
     "save_checkpoint",

@@ -20,6 +20,7 @@ __all__ = [
     "all_gather_into",
     "all_gather_rows",
     "all_reduce_sum",
+    "average_across",
     "bucket_calls",
     "comm_device",
     "exchanges",
@@ -166,6 +167,29 @@ def all_reduce_sum(tensor: torch.Tensor, *, group: ProcessGroup = None) -> torch
     """Sums ``tensor`` over ranks in place (synchronously) and returns it."""
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def average_across(
+    pending: Pending,
+    part: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    accumulate: bool,
+    group: ProcessGroup,
+) -> Pending:
+    """Completes ``pending`` (which writes ``part``), then averages ``part`` over ``group`` and
+    copies (or, with ``accumulate``, adds) it into ``out``: the replicas' step of a hybrid
+    gradient reduction ([Note: hybrid sharding])."""
+
+    def finish() -> None:
+        dist.all_reduce(part, group=group)
+        part.div_(dist.get_world_size(group))
+        if accumulate:
+            out.add_(part)
+        else:
+            out.copy_(part)
+
+    return Pending([pending], finish)
 
 
 def all_gather_rows(row: torch.Tensor, *, group: ProcessGroup = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from shardopt.core import Plan
 from shardopt.functional._collectives import Algorithm, bucket_calls
 from shardopt.functional._layout import staging_numel
 
-__all__ = ["RankBytes", "Traffic", "layout_cost", "ring_bytes"]
+__all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
 
 # [Note: cost of a layout]
 # ``layout_cost`` reads the plan the engine runs on and the engine's own rules (staging_numel,
@@ -187,3 +187,20 @@ def _traffic(
                 reduced += bucket.numel * reduce_size
                 calls += bucket_calls(bucket, algo, reduce=True)
     return Traffic(0, reduced, gathered, calls)
+
+
+def replica_bytes(plan: Plan, rank: int, *, reduce_dtype: torch.dtype | None = None) -> int:
+    """Bytes ``rank`` hands to the replicas' all-reduces per step under hybrid sharding, where
+    the plan is of the "shard" dim and gradients are reduced ([Note: hybrid sharding]): its
+    gradient shards, one all-reduce per bucket.
+
+    Example:
+        >>> from shardopt.core import plan_partition
+        >>> replica_bytes(plan_partition([((10, 10), "float32")], 4), 0)
+        100
+    """
+    total = 0
+    for group in plan.groups:
+        size = reduce_dtype.itemsize if reduce_dtype is not None else itemsize(group.dtype)
+        total += group.shard_numels[rank] * size
+    return total

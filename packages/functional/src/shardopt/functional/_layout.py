@@ -14,6 +14,7 @@ from shardopt.functional._collectives import (
     PendingQueue,
     ProcessGroup,
     all_gather_bucket,
+    average_across,
     reduce_scatter_bucket,
     reduce_scratch_numel,
     resolve_algorithm,
@@ -95,10 +96,12 @@ class FlatLayout:
         group: ProcessGroup = None,
         algorithm: Algorithm | str = Algorithm.AUTO,
         reduce_dtype: torch.dtype | None = None,
+        replicate: ProcessGroup | None = None,
     ) -> None:
         _check_buffers(plan, buffers)
         self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
         self.group, self.algorithm = group, Algorithm(algorithm)
+        self.replicate = replicate  # the other replicas' group ([Note: hybrid sharding])
         self.reduce_dtype = reduce_dtype
         self.pieces = plan.pieces(rank)
         self._map_buckets()
@@ -312,16 +315,22 @@ class FlatLayout:
                 staging[lo : lo + n].zero_()
             else:
                 staging[lo : lo + n].copy_(grad.reshape(-1))
+        out = self.compact(shards, key)
+        part = out if self.replicate is None else torch.empty_like(out)
         pending = reduce_scatter_bucket(
             staging,
             bucket,
-            self.compact(shards, key),
-            accumulate=accumulate,
+            part,
+            accumulate=accumulate and part is out,
             group=self.group,
             async_op=True,
             algorithm=self.algorithm,
             scratch=scratch,
         )
+        if part is not out:
+            pending = average_across(
+                pending, part, out, accumulate=accumulate, group=self.replicate
+            )
         self._grads.push(tag, pending)
 
     @property
@@ -365,6 +374,7 @@ def build_layout(
     group: ProcessGroup = None,
     algorithm: Algorithm | str = Algorithm.AUTO,
     reduce_dtype: torch.dtype | None = None,
+    replicate: ProcessGroup | None = None,
 ) -> FlatLayout:
     """Allocates the flat buffers, copies ``params`` in and re-points them as views.
 
@@ -390,7 +400,13 @@ def build_layout(
                 p.data = view.view(p.shape)
             buffers.append(buf)
     return FlatLayout(
-        plan, rank, buffers, group=group, algorithm=algorithm, reduce_dtype=reduce_dtype
+        plan,
+        rank,
+        buffers,
+        group=group,
+        algorithm=algorithm,
+        reduce_dtype=reduce_dtype,
+        replicate=replicate,
     )
 
 

@@ -16,6 +16,7 @@ from shardopt.functional._clip import Health, clip_coefficient, global_health, s
 from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer
 from shardopt.functional._layout import FlatLayout, build_layout
+from shardopt.functional._mesh import MeshGroups, mesh_groups
 from shardopt.functional._state import (
     ShardedState,
     StepStats,
@@ -156,7 +157,8 @@ def shard(
         tx: a core transformation (its flat fast path is used where it has one).
         plan: from ``plan_partition(params, world_size)``, the same on every rank; its buckets
             are the units of every collective (``plan_partition(..., bucket_numel=...)``).
-        group: the process group (None: the default group).
+        group: the process group (None: the default group), or a DeviceMesh: 1-D, or 2-D with
+            dims ("replicate", "shard") for hybrid sharding (see [Note: hybrid sharding]).
         stage: 1 (optimizer state sharded) or 2 (gradients too).
         grads_averaged: stage 1 only: the gradients given to ``step`` are already averaged
             over ranks (behind DDP); skip the reduction.
@@ -190,12 +192,13 @@ def shard(
     opts = ShardOptions(
         stage, grads_averaged, master_dtype, reduce_dtype, max_norm, skip_nonfinite, algorithm
     )
+    groups = mesh_groups("shard", group)
 
     def init(params: PyTree) -> ShardedState:
-        return _init(tx, plan, opts, group, tree_leaves(params))
+        return _init(tx, plan, opts, groups, tree_leaves(params))
 
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
-        return _step(tx, opts, group, tree_leaves(params), grads, state)
+        return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
 
     return ShardedTransformation(init, step)
 
@@ -209,8 +212,9 @@ def _piece_dtypes(plan: Plan, opts: ShardOptions) -> list[torch.dtype]:
 
 
 def _init(
-    tx: Transformation, plan: Plan, opts: ShardOptions, group: ProcessGroup, params: list[Any]
+    tx: Transformation, plan: Plan, opts: ShardOptions, groups: MeshGroups, params: list[Any]
 ) -> ShardedState:
+    group = groups.shard
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error: str | BaseException | None = check_params(plan, params, world)
     probed, computes = {}, ""
@@ -220,10 +224,16 @@ def _init(
         computes = probe_updates(tx, dtypes)
     except Exception as exc:  # raised below, on this rank, after the agreement
         error = error or exc
-    print_ = fingerprint(plan, (opts, sorted(probed.items()), computes))
-    agree_across_ranks("shard", error, print_, group)
+    print_ = fingerprint(plan, (opts, sorted(probed.items()), computes, groups.description))
+    agree_across_ranks("shard", error, print_, groups.agree)
     layout = build_layout(
-        plan, params, rank, group=group, algorithm=opts.algorithm, reduce_dtype=opts.reduce_dtype
+        plan,
+        params,
+        rank,
+        group=group,
+        algorithm=opts.algorithm,
+        reduce_dtype=opts.reduce_dtype,
+        replicate=groups.replicate if opts.reduces else None,
     )
     layout.sync_params()
     master = tuple(

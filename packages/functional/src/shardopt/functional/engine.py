@@ -3,7 +3,8 @@
 ``shardopt.functional`` exports what a training loop calls (``shard``, the hooks, checkpoints);
 this module exports what an optimizer built on the engine needs besides (``shardopt.optim``'s
 ZeroRedundancyOptimizer and model averagers use nothing else): the layout and its parameter
-syncs, the cross-rank agreement ([Note: cross-rank validation]), the torch names and per-piece
+syncs, the groups of a device mesh ([Note: hybrid sharding]), the cross-rank agreement
+([Note: cross-rank validation]), the torch names and per-piece
 views of a sharded state, and the local-SGD schedule and averaging helpers.
 """
 
@@ -17,11 +18,13 @@ from shardopt.functional._local_sgd import (
     in_group,
     resolve_group,
 )
+from shardopt.functional._mesh import MeshGroups, mesh_groups
 from shardopt.functional._param_sync import StagedSync, broadcast_tensors
 from shardopt.functional._state import init_values, piece_slots, probe_fields
 from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = [
+    "MeshGroups",
     "ProcessGroup",
     "StagedSync",
     "agree_across_ranks",
@@ -37,6 +40,7 @@ __all__ = [
     "has_state",
     "in_group",
     "init_values",
+    "mesh_groups",
     "piece_slots",
     "piece_value",
     "probe_fields",

@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardopt.core import Plan, Strategy
-from shardopt.functional.engine import comm_device, describe
+from shardopt.functional.engine import comm_device, describe, mesh_groups
 from shardopt.optim._zero_engine import EngineSync
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
@@ -78,7 +78,9 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
     Args:
         params: tensors or param-group dicts, as for any torch optimizer.
         optimizer_class: the local optimizer's class.
-        process_group: the group sharing the state (None: the default group).
+        process_group: the group sharing the state (None: the default group), or a DeviceMesh:
+            1-D, or 2-D with dims ("replicate", "shard"), which shards the state over "shard"
+            (each replica holds all of it; DDP averages the gradients over every rank).
         parameters_as_bucket_view: make the parameters views of the flat buffers.
         overlap_with_ddp: step from a DDP communication hook (``hook_with_zero_step``), which
             calls ``_step_params`` and ``_sync_params_of``; :meth:`step` then does nothing.
@@ -118,7 +120,8 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         self.initialized = False  # add_param_group acts as the base class's until the end
-        group: Any = dist.group.WORLD if process_group is None else process_group
+        groups = mesh_groups(API, process_group)  # see [Note: hybrid sharding]
+        group: Any = dist.group.WORLD if groups.shard is None else groups.shard
         self.process_group = group
         self.world_size: int = dist.get_world_size(self.process_group)
         self.rank: int = dist.get_rank(self.process_group)
@@ -135,10 +138,15 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
         self._staged = None  # greedy without: the same buckets, staged
         self.optim: Any
         options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
+
+        def build() -> tuple[Plan | None, Any]:
+            plan, summary = self._build(params, options)
+            return plan, (summary, groups.description)
+
         plan = agreed(
             API,
-            lambda: self._build(params, options),
-            group,
+            build,
+            group if groups.agree is None else groups.agree,
             lambda: getattr(self, "_default_device", None),
         )
         with on_device(self._default_device):

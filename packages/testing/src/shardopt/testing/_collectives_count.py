@@ -54,13 +54,15 @@ class CollectiveCall(NamedTuple):
 
     ``first`` is the bytes of its first argument (the first keyword argument when none is
     positional), ``second`` those of its second positional argument (None when there is none),
-    ``root`` the ``group_src`` / ``group_dst`` keyword of a rooted call (else None).
+    ``root`` the ``group_src`` / ``group_dst`` keyword of a rooted call (else None), ``group``
+    its ``group`` keyword (None: the default group, or none given).
     """
 
     name: str
     first: int
     second: int | None
     root: int | None
+    group: Any = None
 
 
 class CallTotals(NamedTuple):
@@ -97,6 +99,10 @@ class CollectiveLog:
                 c.name in (*_GATHERS, *_SCATTERS, "broadcast", "reduce") for c in self.calls
             ),
         )
+
+    def in_group(self, group: Any) -> CollectiveLog:
+        """The calls made in ``group`` (by identity; None: the default group)."""
+        return CollectiveLog(self.world_size, [c for c in self.calls if c.group is group])
 
     def others(self) -> list[str]:
         """Names of the calls that :meth:`totals` leaves out."""
@@ -140,7 +146,8 @@ def count_collectives() -> Iterator[CollectiveLog]:
             first = args[0] if args else next(iter(kwargs.values()), None)
             second = _nbytes(args[1]) if len(args) > 1 else None
             root = kwargs.get("group_src", kwargs.get("group_dst"))
-            log.calls.append(CollectiveCall(name, _nbytes(first), second, root))
+            call = CollectiveCall(name, _nbytes(first), second, root, kwargs.get("group"))
+            log.calls.append(call)
             return fn(*args, **kwargs)
 
         return recorded

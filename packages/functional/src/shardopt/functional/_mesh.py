@@ -1,0 +1,68 @@
+"""Device meshes as process groups: flat sharding over a 1-D mesh, hybrid over a 2-D one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardopt.functional._collectives import ProcessGroup
+
+__all__ = ["HYBRID_DIMS", "MeshGroups", "mesh_groups"]
+
+HYBRID_DIMS = ("replicate", "shard")
+
+# [Note: hybrid sharding]
+# Where ``shard`` (and the drop-in ZeroRedundancyOptimizer) take a process group they also take a
+# DeviceMesh. A 1-D mesh is its group. A 2-D mesh named ("replicate", "shard") is R replicas of
+# an S-rank sharded optimizer (HSDP's layout, Megatron's ``num_distributed_optimizer_instances``):
+# everything the engine does runs in the "shard" group, as if the world were S ranks (the plan's
+# world size is S; a rank holds 1/S of the state, gathers parameters from the S ranks of its
+# group, on the fast links when a group is one node), and one collective is added: once a
+# bucket's reduce-scatter has averaged its gradients over the S ranks, its shard (1/S of the
+# bucket) is all-reduced over the R ranks of the "replicate" group and divided by R, so every
+# replica steps with the average over all R * S ranks. The links between replicas carry 1/S of
+# the gradient bytes and no parameters. Replicas hold equal states and take equal steps, so
+# nothing else crosses them. What must agree is settled over the whole world in one small
+# collective (every rank's fingerprint includes the mesh): a rank holding another mesh fails
+# there, on every rank, instead of waiting in a group its peers never enter.
+
+
+@dataclass(frozen=True, slots=True)
+class MeshGroups:
+    """The groups a process group or mesh stands for: where the state is sharded (``shard``),
+    across which replicas gradients are averaged (``replicate``: None without replicas), where
+    inputs are agreed (``agree``), and a description for fingerprints."""
+
+    shard: ProcessGroup
+    replicate: ProcessGroup | None
+    agree: ProcessGroup
+    description: str
+
+
+def mesh_groups(api: str, group: Any) -> MeshGroups:
+    """The groups of ``group`` (None, a process group or a DeviceMesh; see [Note: hybrid
+    sharding]); raises ValueError naming ``api`` for a mesh of another shape.
+
+    Example:
+        >>> mesh_groups("shard", None)
+        MeshGroups(shard=None, replicate=None, agree=None, description='')
+    """
+    if not isinstance(group, DeviceMesh):
+        return MeshGroups(group, None, group, "")
+    names = tuple(group.mesh_dim_names or ())
+    description = f"mesh {tuple(group.shape)} {names} {group.mesh.flatten().tolist()}"
+    world = dist.group.WORLD if group.size() == dist.get_world_size() else None
+    if group.ndim == 1:
+        shard = group.get_group()
+        return MeshGroups(shard, None, shard if world is None else world, description)
+    if group.ndim == 2 and names == HYBRID_DIMS:
+        shard, replicate = group.get_group("shard"), group.get_group("replicate")
+        agree = world if world is not None else shard
+        return MeshGroups(shard, replicate, agree, description)
+    raise ValueError(
+        f"{api}: expected a process group, a 1-D DeviceMesh or a 2-D one with dims "
+        f"{HYBRID_DIMS}, got a {group.ndim}-D mesh with dims {names}"
+    )

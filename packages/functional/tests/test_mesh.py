@@ -1,0 +1,166 @@
+"""Device meshes: a 1-D mesh is its group; a 2-D ("replicate", "shard") mesh shards the state
+over "shard" and averages gradients across replicas, matching one process on the full batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardopt.core import adamw, plan_partition
+from shardopt.functional import (
+    layout_cost,
+    register_grad_hooks,
+    replica_bytes,
+    shard,
+)
+from shardopt.testing import count_collectives
+
+STEPS = 10
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3)
+    )
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def reference(world: int) -> list[torch.Tensor]:
+    """One process, torch.optim.AdamW on every rank's batch at once, STEPS steps."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def make_mesh(kind: str, world: int) -> Any:
+    if kind == "1d":
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+
+def train_on_mesh(
+    rank: int, world: int, kind: str, stage: int, strategy: str, hooks: bool
+) -> tuple[list[torch.Tensor], int, int]:
+    """(final parameters, this rank's state elements, the model's elements)."""
+    mesh = make_mesh(kind, world)
+    shards = world if kind == "1d" else world // 2
+    model = make_model()
+    params = list(model.parameters())
+    plan = plan_partition(params, shards, strategy=strategy, bucket_numel=100)
+    sharded = shard(adamw(1e-2), plan, group=mesh, stage=stage)
+    state = sharded.init(params)
+    if hooks:
+        register_grad_hooks(params, state)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    leaves = torch.utils._pytree.tree_leaves(state.inner)
+    held = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return [p.detach() for p in params], held, sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize(
+    ("kind", "stage", "strategy", "hooks"),
+    [
+        ("2d", 1, "flat", False),
+        ("2d", 2, "flat", True),
+        ("2d", 2, "greedy", False),
+        ("2d", 1, "greedy", True),
+        ("1d", 2, "flat", True),
+    ],
+)
+def test_a_mesh_matches_one_process_on_the_full_batch(run_world, kind, stage, strategy, hooks):
+    expected = reference(4)
+    results = run_world(train_on_mesh, 4, kind, stage, strategy, hooks)
+    for params, _, _ in results:
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+    # Two moments of 1/S of the model per rank: the ranks of a replica hold the model's state
+    # once between them (S = 2 on the hybrid mesh: ranks 0-1 and 2-3; S = 4 on the 1-D mesh).
+    held, total = [h for _, h, _ in results], results[0][2]
+    replicas = [held] if kind == "1d" else [held[:2], held[2:]]
+    assert all(sum(r) == 2 * total for r in replicas), (held, total)
+
+
+def bytes_per_dim(rank: int, world: int, stage: int) -> tuple[int, int, int, int]:
+    """(bytes handed to collectives in the "shard" group over one step, in the "replicate"
+    group, and the plan's predictions of both)."""
+    mesh = make_mesh("2d", world)
+    model = make_model()
+    params = list(model.parameters())
+    plan = plan_partition(params, 2, bucket_numel=100)
+    sharded = shard(adamw(1e-2), plan, group=mesh, stage=stage, algorithm="collective")
+    state = sharded.init(params)
+    x, y = batch(0, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    with count_collectives() as log:
+        sharded.step(params, None, state)
+    inner = log.in_group(mesh.get_group("shard")).totals()
+    across = log.in_group(mesh.get_group("replicate")).totals()
+    _, traffic = layout_cost(plan, stage=stage, algorithm="collective")
+    rank_in_shard = mesh.get_local_rank("shard")
+    predicted_across = replica_bytes(plan, rank_in_shard)
+    counted_inner = inner.reduce_scatter + inner.all_gather
+    return (
+        counted_inner,
+        across.all_reduce,
+        traffic.reduce_scatter + traffic.all_gather,
+        predicted_across,
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bytes_per_mesh_dim_equal_the_prediction(run_world, stage):
+    for inner, across, predicted_inner, predicted_across in run_world(bytes_per_dim, 4, stage):
+        assert inner == predicted_inner
+        assert across == predicted_across > 0
+
+
+def mismatched_meshes(rank: int, world: int) -> str:
+    """Every rank builds both meshes; rank 0 passes the 1-D one, the others the 2-D one."""
+    flat, hybrid = make_mesh("1d", world), make_mesh("2d", world)
+    params = list(make_model().parameters())
+    mesh, shards = (flat, 4) if rank == 0 else (hybrid, 2)
+    try:
+        shard(adamw(), plan_partition(params, shards), group=mesh).init(params)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatched_meshes_fail_on_every_rank_with_a_clear_error(run_world):
+    for message in run_world(mismatched_meshes, 4, timeout=60.0):
+        assert message.startswith("shard: expected the same parameters, plan, options")
+
+
+def three_dims(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "replicate", "shard"))
+    try:
+        shard(adamw(), plan_partition([torch.zeros(2)], 2), group=mesh)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_mesh_of_another_shape_is_refused_by_name(run_world):
+    for message in run_world(three_dims, 4):
+        assert message == (
+            "shard: expected a process group, a 1-D DeviceMesh or a 2-D one with dims "
+            "('replicate', 'shard'), got a 3-D mesh with dims ('a', 'replicate', 'shard')"
+        )
