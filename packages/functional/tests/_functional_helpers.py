@@ -75,3 +75,31 @@ def state_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
             if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
                 return False
     return True
+
+
+def small_mlp() -> torch.nn.Module:
+    """A seeded 6-16-12-3 tanh MLP (the mesh tests' model)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3)
+    )
+
+
+def mlp_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of 4 at ``step`` for :func:`small_mlp`."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def full_batch_adamw(world: int, steps: int) -> list[torch.Tensor]:
+    """:func:`small_mlp` after ``steps`` of torch.optim.AdamW(lr=1e-2) on every rank's batch at
+    once, in one process: what data-parallel training over ``world`` ranks must match."""
+    model = small_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        xs, ys = zip(*(mlp_batch(step, r) for r in range(world)))
+        torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]

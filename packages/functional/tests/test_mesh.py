@@ -19,31 +19,9 @@ from shardopt.functional import (
 )
 from shardopt.testing import count_collectives
 
+from _functional_helpers import full_batch_adamw, mlp_batch, small_mlp
+
 STEPS = 10
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3)
-    )
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-
-
-def reference(world: int) -> list[torch.Tensor]:
-    """One process, torch.optim.AdamW on every rank's batch at once, STEPS steps."""
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        xs, ys = zip(*(batch(step, r) for r in range(world)))
-        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach() for p in model.parameters()]
 
 
 def make_mesh(kind: str, world: int) -> Any:
@@ -58,7 +36,7 @@ def train_on_mesh(
     """(final parameters, this rank's state elements, the model's elements)."""
     mesh = make_mesh(kind, world)
     shards = world if kind == "1d" else world // 2
-    model = make_model()
+    model = small_mlp()
     params = list(model.parameters())
     plan = plan_partition(params, shards, strategy=strategy, bucket_numel=100)
     sharded = shard(adamw(1e-2), plan, group=mesh, stage=stage)
@@ -66,7 +44,7 @@ def train_on_mesh(
     if hooks:
         register_grad_hooks(params, state)
     for step in range(STEPS):
-        x, y = batch(step, rank)
+        x, y = mlp_batch(step, rank)
         nn.functional.mse_loss(model(x), y).backward()
         state = sharded.step(params, None, state)
         model.zero_grad()
@@ -86,7 +64,7 @@ def train_on_mesh(
     ],
 )
 def test_a_mesh_matches_one_process_on_the_full_batch(run_world, kind, stage, strategy, hooks):
-    expected = reference(4)
+    expected = full_batch_adamw(4, STEPS)
     results = run_world(train_on_mesh, 4, kind, stage, strategy, hooks)
     for params, _, _ in results:
         for p, e in zip(params, expected):
@@ -102,12 +80,12 @@ def bytes_per_dim(rank: int, world: int, stage: int) -> tuple[int, int, int, int
     """(bytes handed to collectives in the "shard" group over one step, in the "replicate"
     group, and the plan's predictions of both)."""
     mesh = make_mesh("2d", world)
-    model = make_model()
+    model = small_mlp()
     params = list(model.parameters())
     plan = plan_partition(params, 2, bucket_numel=100)
     sharded = shard(adamw(1e-2), plan, group=mesh, stage=stage, algorithm="collective")
     state = sharded.init(params)
-    x, y = batch(0, rank)
+    x, y = mlp_batch(0, rank)
     nn.functional.mse_loss(model(x), y).backward()
     with count_collectives() as log:
         sharded.step(params, None, state)
@@ -135,7 +113,7 @@ def test_bytes_per_mesh_dim_equal_the_prediction(run_world, stage):
 def mismatched_meshes(rank: int, world: int) -> str:
     """Every rank builds both meshes; rank 0 passes the 1-D one, the others the 2-D one."""
     flat, hybrid = make_mesh("1d", world), make_mesh("2d", world)
-    params = list(make_model().parameters())
+    params = list(small_mlp().parameters())
     mesh, shards = (flat, 4) if rank == 0 else (hybrid, 2)
     try:
         shard(adamw(), plan_partition(params, shards), group=mesh).init(params)

@@ -13,30 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardopt.optim import ZeroRedundancyOptimizer
 
+from _functional_helpers import full_batch_adamw, mlp_batch, small_mlp
+
 STEPS = 10
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3)
-    )
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-
-
-def reference(world: int) -> list[torch.Tensor]:
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        xs, ys = zip(*(batch(step, r) for r in range(world)))
-        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach() for p in model.parameters()]
 
 
 def train(rank: int, world: int, kind: str, partition: str) -> tuple[list[torch.Tensor], int, int]:
@@ -45,13 +24,13 @@ def train(rank: int, world: int, kind: str, partition: str) -> tuple[list[torch.
         mesh: Any = init_device_mesh("cpu", (world,))
     else:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = make_model()
+    model = small_mlp()
     ddp = DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.AdamW, process_group=mesh, partition=partition, lr=1e-2
     )
     for step in range(STEPS):
-        x, y = batch(step, rank)
+        x, y = mlp_batch(step, rank)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -69,7 +48,7 @@ def train(rank: int, world: int, kind: str, partition: str) -> tuple[list[torch.
 def test_the_drop_in_over_a_mesh_matches_one_process_and_holds_its_share(
     run_world, kind, partition
 ):
-    expected = reference(4)
+    expected = full_batch_adamw(4, STEPS)
     results = run_world(train, 4, kind, partition)
     for params, _, _ in results:
         for p, e in zip(params, expected):
