@@ -14,8 +14,10 @@ from shardopt.core import adamw, plan_partition
 from shardopt.functional import (
     layout_cost,
     register_grad_hooks,
+    register_param_hooks,
     replica_bytes,
     shard,
+    wait_params,
 )
 from shardopt.testing import count_collectives
 
@@ -142,3 +144,50 @@ def test_a_mesh_of_another_shape_is_refused_by_name(run_world):
             "shard: expected a process group, a 1-D DeviceMesh or a 2-D one with dims "
             "('replicate', 'shard'), got a 3-D mesh with dims ('a', 'replicate', 'shard')"
         )
+
+
+def train_tensor_parallel(
+    rank: int, world: int, stage: int, strategy: str, hooks: str
+) -> list[torch.Tensor]:
+    """(dp=2, tp=2): the first two layers tensor-parallel over "tp" (column- then row-wise),
+    shard over "dp"; the full parameters after STEPS steps."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = small_mlp()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    params = list(model.parameters())
+    assert sum(isinstance(p, DTensor) for p in params) == 4
+    plan = plan_partition(params, 2, strategy=strategy, bucket_numel=100)
+    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=stage)
+    state = sharded.init(params)
+    if hooks in ("grad", "both"):
+        register_grad_hooks(params, state)
+    if hooks == "both":
+        register_param_hooks(model, state)
+    dp = mesh.get_local_rank("dp")
+    for step in range(STEPS):
+        x, y = mlp_batch(step, dp)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    wait_params(state)
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+
+
+@pytest.mark.parametrize(
+    ("stage", "strategy", "hooks"),
+    [(1, "flat", "none"), (2, "flat", "both"), (2, "greedy", "none"), (1, "greedy", "grad")],
+)
+def test_tensor_parallel_dtensor_params_shard_over_dp_and_match_one_process(
+    run_world, stage, strategy, hooks
+):
+    expected = full_batch_adamw(2, STEPS)
+    for params in run_world(train_tensor_parallel, 4, stage, strategy, hooks):
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)

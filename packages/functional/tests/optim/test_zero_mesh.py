@@ -57,3 +57,49 @@ def test_the_drop_in_over_a_mesh_matches_one_process_and_holds_its_share(
     replicas = [held] if kind == "1d" else [held[:2], held[2:]]
     assert all(sum(r) == 2 * total for r in replicas), (held, total)
     assert all(h > 0 for h in held)
+
+
+def train_tensor_parallel(rank: int, world: int, partition: str, views: bool) -> list[torch.Tensor]:
+    """(dp=2, tp=2): the first two layers tensor-parallel over "tp", DDP and the drop-in over
+    "dp"; the full parameters after STEPS steps."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = small_mlp()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        process_group=mesh["dp"],
+        partition=partition,
+        parameters_as_bucket_view=views,
+        lr=1e-2,
+    )
+    dp_group = mesh.get_group("dp")
+    for step in range(STEPS):
+        x, y = mlp_batch(step, mesh.get_local_rank("dp"))
+        nn.functional.mse_loss(model(x), y).backward()
+        for p in model.parameters():  # what DDP over "dp" does
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            torch.distributed.all_reduce(local, group=dp_group)
+            local.div_(2)
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("partition", "views"), [("greedy", False), ("greedy", True), ("flat", False)]
+)
+def test_the_drop_in_over_dp_with_tensor_parallel_dtensors_matches_one_process(
+    run_world, partition, views
+):
+    expected = full_batch_adamw(2, STEPS)
+    for params in run_world(train_tensor_parallel, 4, partition, views):
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)

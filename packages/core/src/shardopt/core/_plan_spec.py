@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import reprlib
+import sys
 from dataclasses import dataclass
 from enum import Enum
 
@@ -17,6 +18,7 @@ __all__ = [
     "Strategy",
     "TensorSpec",
     "canonical_dtype",
+    "local_tensor",
     "check_int",
     "check_ints",
     "first_difference",
@@ -151,7 +153,24 @@ class TensorSpec:
         """
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"TensorSpec.from_tensor: expected a torch.Tensor, got {short(t)}")
+        t = local_tensor(t)
         return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), param_group)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local tensor of a DTensor (its storage, not a copy), else
+    ``t`` itself. A DTensor parameter (tensor parallelism) is planned and sharded by it.
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> local_tensor(t) is t
+        True
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # none made before it is imported
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        local: torch.Tensor = t._local_tensor
+        return local
+    return t
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from shardopt.core._adagrad import AdagradHyperparams
 from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count
 from shardopt.core._flat import FlatRule, flat_rule, with_flat_rule
+from shardopt.core._plan_spec import local_tensor
 from shardopt.core._schedules import resolve
 from shardopt.core._sgd import SGDHyperparams
 from shardopt.core._torch_compat import TORCH_COMPAT, TorchCompat, torch_compat
@@ -35,6 +36,7 @@ __all__ = [
     "flat_rule",
     "init_count",
     "leafwise",
+    "local_tensor",
     "resolve",
     "torch_compat",
     "tree_leaves",

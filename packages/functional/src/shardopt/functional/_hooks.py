@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from shardopt.core.blocks import local_tensor
 from shardopt.functional._layout import BucketKey, FlatLayout
 
 __all__ = [
@@ -166,9 +167,10 @@ class GradReducer:
 
     def _ready_grad(self, t: int) -> torch.Tensor | None:
         assert self._params is not None
-        if not self.free_grads:  # stage 1: .grad holds the sum of this step's passes so far
-            return self._params[t].grad
-        return self._params[t].grad if self._ready[t] else None
+        grad = self._params[t].grad  # of a DTensor parameter: its local tensor
+        if self.free_grads and not self._ready[t]:  # stage 2: this pass's gradients only
+            return None  # (stage 1: .grad, the sum of the step's passes so far)
+        return None if grad is None else local_tensor(grad)
 
     def _end_of_backward(self) -> None:
         while self._pos < len(self.order):
@@ -242,7 +244,7 @@ def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks
             "without a gradient reducer"
         )
     params = list(params)
-    problem = state.layout.check_views(params)
+    problem = state.layout.check_views([local_tensor(p) for p in params])
     if problem is not None:
         raise ValueError(f"register_grad_hooks: expected {problem}")
     return GradHooks(reducer, reducer.attach(params))
@@ -313,7 +315,7 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
     handles = []
     for sub in module.modules():
         keys = sorted(
-            {where[p.data_ptr()] for p in sub.parameters(recurse=False) if p.data_ptr() in where}
+            {where[ptr] for ptr in map(_address, sub.parameters(recurse=False)) if ptr in where}
         )
         if keys:
             handles.append(sub.register_forward_pre_hook(_waiter(layout, tuple(keys))))
@@ -324,6 +326,11 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
         )
     layout.deferred += 1
     return ParamHooks(layout, handles)
+
+
+def _address(p: torch.Tensor) -> int:
+    """Where ``p``'s elements are (a DTensor parameter's: its local tensor's)."""
+    return local_tensor(p).data_ptr()
 
 
 def _waiter(layout: FlatLayout, keys: tuple[BucketKey, ...]) -> Callable[..., None]:

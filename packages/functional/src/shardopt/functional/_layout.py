@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import torch
 
 from shardopt.core import Bucket, Plan
+from shardopt.core.blocks import local_tensor
 from shardopt.functional._collectives import (
     Algorithm,
     Pending,
@@ -215,7 +216,7 @@ class FlatLayout:
         """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
         if len(params) != len(self.plan.tensors):
             return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
-        for t, p in enumerate(params):
+        for t, p in enumerate(map(local_tensor, params)):
             g, _, offset = self.plan.locate(t)
             base, size = self.buffers[g].data_ptr(), self.buffers[g].element_size()
             moved = p.numel() > 0 and p.data_ptr() != base + offset * size
@@ -394,7 +395,7 @@ def build_layout(
             dtype = plan.tensors[grp.tensors[0]].torch_dtype if grp.tensors else torch.float32
             buf = torch.zeros(grp.numel, dtype=dtype, device=device)
             for t, offset in zip(grp.tensors, grp.offsets):
-                p = params[t]
+                p = local_tensor(params[t])  # see [Note: DTensor parameters]
                 view = buf[offset : offset + p.numel()]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)

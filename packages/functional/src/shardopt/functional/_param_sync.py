@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Bucket, Plan
+from shardopt.core.blocks import local_tensor
 from shardopt.functional._collectives import (
     Algorithm,
     Pending,
@@ -55,7 +56,8 @@ class StagedSync:
         group: ProcessGroup = None,
         algorithm: Algorithm | str = Algorithm.AUTO,
     ) -> None:
-        self.plan, self.params, self.rank = plan, list(params), rank
+        self.plan, self.rank = plan, rank
+        self.params = [local_tensor(p) for p in params]  # see [Note: DTensor parameters]
         self.group, self.algorithm = group, Algorithm(algorithm)
         self._staging: dict[int, torch.Tensor] = {}
         self.world = dist.get_world_size(group)
@@ -193,6 +195,7 @@ def _runs(plan: Plan, tensors: Sequence[int]) -> list[tuple[int, int]]:
 def _broadcast_packed(
     params: Sequence[torch.Tensor], owner: int, rank: int, group: ProcessGroup
 ) -> Pending:
+    params = [local_tensor(p) for p in params]
     sizes = [p.numel() for p in params]
     tmp = params[0].new_empty(sum(sizes))
     pieces = list(tmp.split(sizes))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
-from shardopt.core.blocks import PyTree, tree_leaves
+from shardopt.core.blocks import PyTree, local_tensor, tree_leaves
 from shardopt.functional._clip import Health, clip_coefficient, global_health, scale_grads
 from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer
@@ -195,7 +195,7 @@ def shard(
     groups = mesh_groups("shard", group)
 
     def init(params: PyTree) -> ShardedState:
-        return _init(tx, plan, opts, groups, tree_leaves(params))
+        return _init(tx, plan, opts, groups, _locals(params))
 
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
         return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
@@ -248,8 +248,24 @@ def _init(
     return ShardedState(inner, fields, layout, master, reducer, None)
 
 
+# [Note: DTensor parameters]
+# A DTensor parameter (tensor parallelism: ``parallelize_module`` over another mesh dim) is
+# planned, sharded, reduced and updated by its local tensor (core's ``local_tensor``: the
+# DTensor's own storage), over the data-parallel group given to ``shard``: init re-points that
+# local tensor into the flat buffer, gradients are read as the local tensors of the DTensor
+# gradients (the parameter keeps its ``.grad``; DTensor's autograd already made a replicated
+# parameter's gradient equal on its tensor-parallel ranks), and the elementwise update of a local
+# shard is the update of that part of the full tensor. What is not elementwise is not yet
+# tensor-parallel aware: ``max_norm`` and ``skip_nonfinite`` look at this rank's local tensors.
+
+
+def _locals(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree``, a DTensor as its local tensor ([Note: DTensor parameters])."""
+    return [x if x is None else local_tensor(x) for x in tree_leaves(tree)]
+
+
 def _grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:
-    return [p.grad for p in params] if grads is None else tree_leaves(grads)
+    return _locals([p.grad for p in params] if grads is None else grads)
 
 
 def _step(
@@ -261,7 +277,7 @@ def _step(
     state: ShardedState,
 ) -> ShardedState:
     layout: FlatLayout = state.layout
-    problem = layout.check_views(params)
+    problem = layout.check_views(_locals(params))
     if problem is not None:
         raise ValueError(f"shard: expected {problem}")
     layout.wait_params()  # the update writes the shards the last gathers send
@@ -321,7 +337,7 @@ def _reduced_grads(
     error = None
     if not hooked:
         full = _grads_of(params, grads)
-        error = check_grads(params, full)
+        error = check_grads(_locals(params), full)
         if error is not None:
             if not opts.needs_health:
                 raise ValueError(f"shard: expected {error}")
