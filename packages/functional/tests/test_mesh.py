@@ -147,7 +147,7 @@ def test_a_mesh_of_another_shape_is_refused_by_name(run_world):
 
 
 def train_tensor_parallel(
-    rank: int, world: int, stage: int, strategy: str, hooks: str
+    rank: int, world: int, stage: int, strategy: str, hooks: str, max_norm: float | None = None
 ) -> list[torch.Tensor]:
     """(dp=2, tp=2): the first two layers tensor-parallel over "tp" (column- then row-wise),
     shard over "dp"; the full parameters after STEPS steps."""
@@ -164,7 +164,7 @@ def train_tensor_parallel(
     params = list(model.parameters())
     assert sum(isinstance(p, DTensor) for p in params) == 4
     plan = plan_partition(params, 2, strategy=strategy, bucket_numel=100)
-    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=stage)
+    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=stage, max_norm=max_norm)
     state = sharded.init(params)
     if hooks in ("grad", "both"):
         register_grad_hooks(params, state)
@@ -189,5 +189,27 @@ def test_tensor_parallel_dtensor_params_shard_over_dp_and_match_one_process(
 ):
     expected = full_batch_adamw(2, STEPS)
     for params in run_world(train_tensor_parallel, 4, stage, strategy, hooks):
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+
+
+def clipped_full_batch_adamw(world: int, steps: int, max_norm: float) -> list[torch.Tensor]:
+    """full_batch_adamw with torch's clip_grad_norm_ before each step."""
+    model = small_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        xs, ys = zip(*(mlp_batch(step, r) for r in range(world)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        assert norm > max_norm  # clipping takes effect at every step
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clipping_with_tensor_parallel_params_uses_the_norm_of_the_full_gradient(run_world, stage):
+    expected = clipped_full_batch_adamw(2, STEPS, 0.05)
+    for params in run_world(train_tensor_parallel, 4, stage, "flat", "grad", 0.05):
         for p, e in zip(params, expected):
             torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,14 @@ import torch
 
 from shardopt.functional._collectives import ProcessGroup, all_reduce_sum, comm_device
 
-__all__ = ["Health", "clip_coefficient", "global_health", "local_sq_norm", "scale_grads"]
+__all__ = [
+    "Health",
+    "TensorParallel",
+    "clip_coefficient",
+    "global_health",
+    "local_sq_norm",
+    "scale_grads",
+]
 
 # [Note: one small all-reduce]
 # The pieces of all ranks partition every parameter element exactly once, so the squared norm of
@@ -67,16 +74,41 @@ def global_health(
     present: Sequence[bool] | None = None,
     *,
     group: ProcessGroup,
+    split: TensorParallel | None = None,
 ) -> Health:
     """Sums this rank's squared norm, error flag and presence flags over ranks (see
-    [Note: one small all-reduce])."""
+    [Note: one small all-reduce]); with ``split``, the squares of the tensor-parallel gradients
+    are summed over their group too (see [Note: tensor-parallel norms])."""
     device = comm_device(group)
     flags = [float(failed), *(float(p) for p in present or ())]
     tail = torch.tensor(flags, dtype=torch.float64, device=device)
-    row = torch.cat([local_sq_norm(grads, device).view(1), tail])
-    row = all_reduce_sum(row, group=group).cpu()
-    anywhere = None if present is None else tuple(bool(c > 0) for c in row[2:].tolist())
-    return Health(row[0].sqrt(), int(row[1].item()), anywhere)
+    cut = [False] * len(grads) if split is None else list(split.sharded)
+    whole = local_sq_norm([None if c else g for g, c in zip(grads, cut)], device)
+    parts = local_sq_norm([g if c else None for g, c in zip(grads, cut)], device)
+    row = torch.cat([whole.view(1), parts.view(1), tail])
+    row = all_reduce_sum(row, group=group)
+    if split is not None:
+        row[1:2] = all_reduce_sum(row[1:2].clone(), group=split.group)
+    row = row.cpu()
+    anywhere = None if present is None else tuple(bool(c > 0) for c in row[3:].tolist())
+    return Health((row[0] + row[1]).sqrt(), int(row[2].item()), anywhere)
+
+
+class TensorParallel(NamedTuple):
+    """Which gradients (one flag per piece) are parts of tensors sharded over ``group``, the
+    tensor-parallel group (see [Note: tensor-parallel norms])."""
+
+    group: ProcessGroup
+    sharded: tuple[bool, ...]
+
+
+# [Note: tensor-parallel norms]
+# Under tensor parallelism a rank's pieces are parts of its local tensors. Those of a DTensor
+# sharded over the tensor-parallel group are other elements on each of its ranks, so their squares
+# are summed over that group as well as over the data-parallel one; a replicated parameter (a
+# plain tensor, or a DTensor replicated over that group) is the same on all of them and is counted
+# once. So the norm, and with it clipping and the skip of non-finite steps, is that of the full
+# gradient, as ``clip_grad_norm_`` computes it on one process.
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -103,6 +104,7 @@ class FlatLayout:
         self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
         self.group, self.algorithm = group, Algorithm(algorithm)
         self.replicate = replicate  # the other replicas' group ([Note: hybrid sharding])
+        self.tensor_parallel: Any = None  # set by shard: see [Note: tensor-parallel norms]
         self.reduce_dtype = reduce_dtype
         self.pieces = plan.pieces(rank)
         self._map_buckets()

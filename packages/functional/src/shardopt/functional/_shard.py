@@ -12,7 +12,13 @@ import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
 from shardopt.core.blocks import PyTree, local_tensor, tree_leaves
-from shardopt.functional._clip import Health, clip_coefficient, global_health, scale_grads
+from shardopt.functional._clip import (
+    Health,
+    TensorParallel,
+    clip_coefficient,
+    global_health,
+    scale_grads,
+)
 from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer
 from shardopt.functional._layout import FlatLayout, build_layout
@@ -195,7 +201,9 @@ def shard(
     groups = mesh_groups("shard", group)
 
     def init(params: PyTree) -> ShardedState:
-        return _init(tx, plan, opts, groups, _locals(params))
+        state = _init(tx, plan, opts, groups, _locals(params))
+        state.layout.tensor_parallel = tensor_parallel(tree_leaves(params), state.layout)
+        return state
 
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
         return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
@@ -255,8 +263,30 @@ def _init(
 # local tensor into the flat buffer, gradients are read as the local tensors of the DTensor
 # gradients (the parameter keeps its ``.grad``; DTensor's autograd already made a replicated
 # parameter's gradient equal on its tensor-parallel ranks), and the elementwise update of a local
-# shard is the update of that part of the full tensor. What is not elementwise is not yet
-# tensor-parallel aware: ``max_norm`` and ``skip_nonfinite`` look at this rank's local tensors.
+# shard is the update of that part of the full tensor. The one thing that is not elementwise, the
+# norm of ``max_norm`` and ``skip_nonfinite``, sums the squares of tensor-parallel parts over
+# their group too ([Note: tensor-parallel norms]).
+
+
+def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel | None:
+    """Which of the layout's pieces belong to DTensors sharded over a tensor-parallel group,
+    and that group; None without any (see [Note: tensor-parallel norms])."""
+    groups, flags = set(), []
+    for p in params:
+        mesh: Any = getattr(p, "device_mesh", None)
+        cut = mesh is not None and any(pl.is_shard() for pl in p.placements)
+        if cut:
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"shard: expected DTensor parameters on 1-D meshes, got one on {mesh}"
+                )
+            groups.add(mesh.get_group())
+        flags.append(cut)
+    if len(groups) > 1:
+        raise ValueError("shard: expected the DTensor parameters on one tensor-parallel mesh")
+    if not groups:
+        return None
+    return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in layout.pieces))
 
 
 def _locals(tree: PyTree) -> list[Any]:
@@ -309,7 +339,8 @@ def _checked_health(
     """The step's small all-reduce; raises on every rank if any rank had a bad gradient."""
     if present is not None:  # stage 2: the shards hold zeros where no rank had a gradient
         grads = list(state.layout.piece_views(state.reducer.shards))
-    health = global_health(grads, error is not None, present, group=group)
+    split = state.layout.tensor_parallel
+    health = global_health(grads, error is not None, present, group=group, split=split)
     if error is not None:
         raise ValueError(f"shard: expected {error}")
     if health.errors:
