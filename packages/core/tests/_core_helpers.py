@@ -15,7 +15,8 @@ from shardopt.core.blocks import tree_map
 Schedule = Callable[[torch.Tensor], Any]
 
 # (factory name, learning rate, options): every factory, with a few option variants each. Used by
-# test_func.py and test_purity.py.
+# test_func.py and test_purity.py. Not here: muon (2-D params only) and asgd (its float32 step
+# size, as torch's, is too coarse for central differences in the lr): their own tests cover them.
 FACTORY_CASES: list[tuple[str, float, dict[str, Any]]] = [
     ("sgd", 0.1, {}),
     ("sgd", 0.1, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -38,6 +39,8 @@ FACTORY_CASES: list[tuple[str, float, dict[str, Any]]] = [
     ("adadelta", 1.0, {"rho": 0.95, "weight_decay": 0.01}),
     ("rprop", 0.01, {}),
     ("rprop", 0.01, {"etas": (0.4, 1.3), "step_sizes": (1e-4, 1.0)}),
+    ("adafactor", 0.01, {}),
+    ("adafactor", 0.01, {"eps": (1e-30, 1e-3), "d": 2.0, "weight_decay": 0.01, "maximize": True}),
 ]
 
 

@@ -285,7 +285,8 @@ def test_concurrent_steps_from_two_callers_complete_serialised(
         (torch.optim.SGD, {"lr": 0.1, "differentiable": True}, None),
         (SignSGD, {"lr": 0.1}, None),
         (ExclusiveSGD, {"lr": 0.1}, None),
-        (torch.optim.ASGD, {"lr": 0.1}, None),
+        (torch.optim.ASGD, {"lr": 0.1, "t0": 10.0}, "asgd"),
+        (torch.optim.LBFGS, {"lr": 0.1}, None),
     ],
 )
 def test_plan_maps_torch_classes_to_core_factories_with_their_hyperparameters(

@@ -7,6 +7,7 @@ helpers, ``leafwise``, flat rules, the validated hyperparameters of the optimize
 
 from shardopt.core._accumulate import MultiStepsState, multi_steps
 from shardopt.core._adadelta import ScaleByAdadeltaState, adadelta
+from shardopt.core._adafactor import ScaleByAdafactorState, adafactor
 from shardopt.core._adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
 from shardopt.core._adam import (
     ScaleByAdamState,
@@ -16,6 +17,7 @@ from shardopt.core._adam import (
     scale_by_adam,
 )
 from shardopt.core._adamax import ScaleByAdamaxState, adamax
+from shardopt.core._asgd import ScaleByAsgdState, asgd
 from shardopt.core._base import (
     EmptyState,
     Transformation,
@@ -26,6 +28,7 @@ from shardopt.core._base import (
 from shardopt.core._clipping import clip, clip_by_global_norm, global_norm
 from shardopt.core._combinators import MaskedState, PartitionState, masked, partition
 from shardopt.core._flat import update_flat_
+from shardopt.core._muon import ScaleByMuonState, muon
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._plan import (
     DEFAULT_BUCKET_NUMEL,
@@ -69,9 +72,12 @@ __all__ = [
     "Plan",
     "ScalarOrSchedule",
     "ScaleByAdadeltaState",
+    "ScaleByAdafactorState",
     "ScaleByAdagradState",
     "ScaleByAdamState",
     "ScaleByAdamaxState",
+    "ScaleByAsgdState",
+    "ScaleByMuonState",
     "ScaleByNadamState",
     "ScaleByRadamState",
     "ScaleByRmsState",
@@ -83,6 +89,7 @@ __all__ = [
     "TraceState",
     "Transformation",
     "adadelta",
+    "adafactor",
     "adagrad",
     "adam",
     "adamax",
@@ -90,6 +97,7 @@ __all__ = [
     "add_decayed_weights",
     "add_decoupled_weight_decay",
     "apply_updates",
+    "asgd",
     "chain",
     "clip",
     "clip_by_global_norm",
@@ -101,6 +109,7 @@ __all__ = [
     "linear_warmup",
     "masked",
     "multi_steps",
+    "muon",
     "nadam",
     "partition",
     "plan_partition",

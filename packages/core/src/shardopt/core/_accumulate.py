@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt.core._base import Transformation
+from shardopt.core._base import Transformation, inherit_whole_tensors
 from shardopt.core._tree import PyTree, tree_leaves, tree_map, zeros_like_tree
 
 __all__ = ["MultiStepsState", "multi_steps"]
@@ -106,4 +106,4 @@ def multi_steps(inner: Transformation, every_k: int) -> Transformation:
         )
         return new_updates, new_state
 
-    return Transformation(init, update)
+    return inherit_whole_tensors(Transformation(init, update), [inner])

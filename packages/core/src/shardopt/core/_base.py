@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -10,12 +11,16 @@ import torch
 from shardopt.core._tree import PyTree, tree_map
 
 __all__ = [
+    "WHOLE_TENSORS",
     "EmptyState",
     "Transformation",
     "apply_updates",
     "chain",
     "identity",
+    "inherit_whole_tensors",
     "init_count",
+    "needs_whole_tensors",
+    "with_whole_tensors",
 ]
 
 
@@ -84,8 +89,53 @@ def identity() -> Transformation:
     return stateless(lambda updates, params: updates)
 
 
+# [Note: whole tensors]
+# Some transformations are not elementwise: Muon orthogonalizes each whole matrix, Adafactor
+# factors each matrix's second moment into row and column means. Run on a 1-D slice of a flat
+# buffer they would compute something else without an error, so they are marked (by the identity
+# of ``tx.update``, as flat rules are, with a name for messages), ``chain``, ``masked`` and
+# ``partition`` (and ``multi_steps``, ``inject_hyperparams``) carry the mark of any inner
+# transformation, and ``update_flat_`` refuses them.
+WHOLE_TENSORS: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()
+
+
+def with_whole_tensors(tx: Transformation, name: str = "the transformation") -> Transformation:
+    """Marks ``tx`` as needing each parameter whole (not a flat slice) and returns ``tx``.
+
+    Example:
+        >>> from shardopt.core import identity
+        >>> needs_whole_tensors(with_whole_tensors(identity(), "mine"))
+        True
+    """
+    WHOLE_TENSORS[tx.update] = name
+    return tx
+
+
+def needs_whole_tensors(tx: Transformation) -> bool:
+    """Whether ``tx``, or a transformation it is built from, needs each parameter whole.
+
+    Example:
+        >>> from shardopt.core import adafactor, masked, muon, sgd
+        >>> from shardopt.core.blocks import needs_whole_tensors
+        >>> needs_whole_tensors(muon()), needs_whole_tensors(masked(adafactor(), [True]))
+        (True, True)
+        >>> needs_whole_tensors(sgd(0.1))
+        False
+    """
+    return tx.update in WHOLE_TENSORS
+
+
+def inherit_whole_tensors(tx: Transformation, inner: Iterable[Transformation]) -> Transformation:
+    """Marks ``tx``, a combinator of ``inner``, if one of ``inner`` needs whole tensors."""
+    name = next((WHOLE_TENSORS[t.update] for t in inner if t.update in WHOLE_TENSORS), None)
+    return tx if name is None else with_whole_tensors(tx, name)
+
+
+
 def chain(*transformations: Transformation) -> Transformation:
     """Applies transformations one after the other; the state is the tuple of their states.
+
+    The chain needs whole tensors if one of them does (see [Note: whole tensors]).
 
     Example:
         >>> import torch
@@ -110,7 +160,7 @@ def chain(*transformations: Transformation) -> Transformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return Transformation(init, update)
+    return inherit_whole_tensors(Transformation(init, update), txs)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from torch.utils import _pytree as pytree
 
-from shardopt.core._base import Transformation
+from shardopt.core._base import Transformation, inherit_whole_tensors
 from shardopt.core._tree import PyTree, tree_leaves, tree_structure
 
 __all__ = ["MaskedState", "PartitionState", "masked", "partition"]
@@ -86,7 +86,7 @@ def masked(inner: Transformation, mask: LeafSpec) -> Transformation:
     returns one from the params (from the updates when ``update`` gets no params). ``inner``
     sees the list of the selected leaves (see [Note: sub-lists as param groups]). Masked-out
     updates are passed through as they come (to freeze parameters, partition them to
-    ``scale(0.0)``).
+    ``scale(0.0)``). It needs whole tensors if ``inner`` does (see [Note: whole tensors]).
 
     Example:
         >>> import torch
@@ -128,7 +128,7 @@ def masked(inner: Transformation, mask: LeafSpec) -> Transformation:
         )
         return pytree.tree_unflatten(out, spec), MaskedState(inner_state)
 
-    return Transformation(init, update)
+    return inherit_whole_tensors(Transformation(init, update), [inner])
 
 
 def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -> Transformation:
@@ -137,7 +137,8 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
     ``labels`` is a tree of hashable labels with the structure of the params, or a callable that
     returns one from the params (from the updates when ``update`` gets no params). Every label
     must be a key of ``transforms``; each transformation sees the list of its leaves (see
-    [Note: sub-lists as param groups]), and a label without leaves gets an empty list.
+    [Note: sub-lists as param groups]), and a label without leaves gets an empty list. It needs
+    whole tensors if one of the transformations does (see [Note: whole tensors]).
 
     Example:
         >>> import torch
@@ -191,4 +192,4 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
         }
         return pytree.tree_unflatten(out, spec), PartitionState(new_states)
 
-    return Transformation(init, update)
+    return inherit_whole_tensors(Transformation(init, update), txs.values())

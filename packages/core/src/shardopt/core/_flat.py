@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardopt.core._base import Transformation
+from shardopt.core._base import WHOLE_TENSORS, Transformation, needs_whole_tensors
 from shardopt.core._tree import tree_leaves
 
 __all__ = ["FlatRule", "flat_rule", "update_flat_", "with_flat_rule"]
@@ -60,7 +60,17 @@ def update_flat_(
         >>> update_flat_(tx, p, [torch.ones(3)], tx.init(p))
         >>> p
         [tensor([0.5000, 0.5000, 0.5000])]
+
+    Raises:
+        ValueError: if there are not as many grads as params, or if ``tx`` needs whole tensors
+            (see [Note: whole tensors]): the params here may be slices of flat buffers.
     """
+    if needs_whole_tensors(tx):
+        raise ValueError(
+            f"update_flat_: {WHOLE_TENSORS[tx.update]} needs whole tensors (it is not "
+            "elementwise), so it cannot step slices of flat buffers; run tx.update on the "
+            "parameters themselves"
+        )
     params, grads = list(params), list(grads)
     if len(params) != len(grads):
         raise ValueError(

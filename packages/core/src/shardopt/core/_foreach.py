@@ -1,4 +1,4 @@
-"""Shared parts of rmsprop, adamax, nadam, radam, adadelta, rprop: checks, rounding, flat rules."""
+"""Shared parts of rmsprop, adamax, nadam, radam, adadelta, rprop, asgd: rounding, flat rules."""
 
 from __future__ import annotations
 
@@ -63,15 +63,16 @@ def operand(x: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor
 def add_like_torch(p: torch.Tensor, x: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
     """``p.add(x, alpha=alpha)`` rounded like torch's kernel (one rounding of ``p + alpha * x``).
 
-    A tensor ``alpha`` (possibly traced) cannot be passed to the kernel: float32 and narrower
-    dtypes compute in float64 and round once; float64 rounds twice (within 1e-16).
+    A tensor ``alpha`` (possibly traced) cannot be passed to the kernel: for float32 and float64
+    ``torch.addcmul(p, x, alpha)`` rounds as it does (the same fused multiply-add, also batched
+    under vmap); narrower dtypes compute in float64 and round once.
     """
     if not isinstance(alpha, torch.Tensor):
         return torch.add(p, x, alpha=alpha)
-    a = alpha.to(p.dtype)
-    if p.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    a = alpha.to(device=p.device, dtype=p.dtype)
+    if p.dtype in (torch.float16, torch.bfloat16):
         return (p.double() + x.double() * a.double()).to(p.dtype)
-    return p + x * a
+    return torch.addcmul(p, x, a)
 
 
 def sqrt_like_python(x: torch.Tensor) -> torch.Tensor:
@@ -343,3 +344,39 @@ def rprop_(
     for prev, s in zip(prevs, signs):
         prev.masked_fill_(s < 0, 0.0)  # no step where the gradient changed sign
     torch._foreach_addcmul_(ps, torch._foreach_sign(prevs), sizes, value=-1)
+
+
+def _asgd_etas(hp: Any, lrs: list[float], counts: Tensors) -> list[torch.Tensor]:
+    """torch's foreach ``eta = lr / (1 + lambd * lr * t) ** alpha``: tensor arithmetic on each
+    advanced count (float32), with the lr a Python float, or the 0-d tensor itself."""
+    etas = []
+    for lr, t in zip(lrs, counts):
+        lr_t: float | torch.Tensor = hp.lr if isinstance(hp.lr, torch.Tensor) else lr
+        etas.append(lr_t / ((1 + hp.lambd * lr_t * t) ** hp.alpha))
+    return etas
+
+
+def asgd_(
+    params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
+) -> None:
+    """The flat rule of ``asgd``: ``state[at]`` is its transformation's state.
+
+    torch's foreach ASGD folds the decay into one ``addcmul``: ``p -= eta * (g + lambd * p)``,
+    and computes the next ``eta`` in float32 on the counts (its single-tensor path, which the pure
+    rule follows, in double precision): both within float32 rounding of the pure path.
+    """
+    st = state[at]
+    if (act := _begin(params, grads, st, hp)) is None:
+        return
+    index, ps, gs, steps, lrs = act
+    if decays(hp.weight_decay):  # gs are new tensors (the decayed gradients)
+        torch._foreach_add_(gs, ps, alpha=hp.lambd)
+        decayed = gs
+    else:
+        decayed = list(torch._foreach_add(gs, ps, alpha=hp.lambd))
+    etas, mus, axs = _pick(st.eta, index), _pick(st.mu, index), _pick(st.ax, index)
+    torch._foreach_addcmul_(ps, decayed, etas, value=-1)
+    torch._foreach_addcmul_(axs, torch._foreach_sub(ps, axs), mus)
+    torch._foreach_copy_(etas, _asgd_etas(hp, lrs, _pick(st.count, index)))
+    mu_values = [1 / max(1.0, s - hp.t0) for s in steps]
+    torch._foreach_copy_(mus, [torch.tensor(v, device=m.device) for v, m in zip(mu_values, mus)])

@@ -12,6 +12,7 @@ from shardopt.core._adadelta import ScaleByAdadeltaState, adadelta
 from shardopt.core._adagrad import ScaleByAdagradState, adagrad
 from shardopt.core._adam import ScaleByAdamState, adam, adamw
 from shardopt.core._adamax import ScaleByAdamaxState, adamax
+from shardopt.core._asgd import ScaleByAsgdState, asgd
 from shardopt.core._base import Transformation
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._radam import ScaleByRadamState, radam
@@ -144,6 +145,12 @@ TORCH_COMPAT: tuple[TorchCompat, ...] = (
         ScaleByRpropState,
         (_STEP, ("prev", "prev", True), ("step_size", "step_size", True)),
     ),
+    TorchCompat(
+        torch.optim.ASGD,
+        asgd,
+        ScaleByAsgdState,
+        (_STEP, ("eta", "eta", True), ("mu", "mu", True), ("ax", "ax", True)),
+    ),
 )
 
 
@@ -151,7 +158,7 @@ def torch_compat(optimizer_class: Any) -> TorchCompat | None:
     """The record of exactly ``optimizer_class`` (a subclass may override ``step``: None).
 
     Example:
-        >>> torch_compat(torch.optim.AdamW).factory.__name__, torch_compat(torch.optim.ASGD)
+        >>> torch_compat(torch.optim.AdamW).factory.__name__, torch_compat(torch.optim.LBFGS)
         ('adamw', None)
     """
     return next((r for r in TORCH_COMPAT if r.torch_class is optimizer_class), None)

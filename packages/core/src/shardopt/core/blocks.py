@@ -2,15 +2,15 @@
 
 A training loop needs none of these; a new optimizer or an engine on top of core does: pytree
 helpers, ``leafwise`` (one rule per leaf, with counts), ``init_count``, schedules' ``resolve``,
-flat rules (the fast path over flat buffers, see [Note: flat fast path]), the validated
-hyperparameters that the fused optimizers run from (every optimizer keeps its own in a frozen
-``<Name>Hyperparams``), and the torch compatibility record of every optimizer ([Note: torch
-compatibility records]).
+flat rules (the fast path over flat buffers, see [Note: flat fast path]) and the mark of what
+cannot run on flat slices ([Note: whole tensors]), the validated hyperparameters that the fused
+optimizers run from (every optimizer keeps its own in a frozen ``<Name>Hyperparams``), and the
+torch compatibility record of every optimizer ([Note: torch compatibility records]).
 """
 
 from shardopt.core._adagrad import AdagradHyperparams
 from shardopt.core._adam import AdamHyperparams
-from shardopt.core._base import init_count
+from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tensors
 from shardopt.core._flat import FlatRule, flat_rule, with_flat_rule
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._schedules import resolve
@@ -37,11 +37,13 @@ __all__ = [
     "init_count",
     "leafwise",
     "local_tensor",
+    "needs_whole_tensors",
     "resolve",
     "torch_compat",
     "tree_leaves",
     "tree_map",
     "tree_structure",
     "with_flat_rule",
+    "with_whole_tensors",
     "zeros_like_tree",
 ]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
-from shardopt.core.blocks import PyTree, local_tensor, tree_leaves
+from shardopt.core.blocks import PyTree, local_tensor, needs_whole_tensors, tree_leaves
 from shardopt.functional._clip import (
     Health,
     TensorParallel,
@@ -225,6 +225,11 @@ def _init(
     group = groups.shard
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error: str | BaseException | None = check_params(plan, params, world)
+    if needs_whole_tensors(tx):  # see core's [Note: whole tensors]
+        error = error or (
+            "an elementwise transformation (its pieces are slices of flat buffers), got one "
+            "that needs whole tensors (Muon, Adafactor): step it on whole parameters instead"
+        )
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
         dtypes = _piece_dtypes(plan, opts)

@@ -60,7 +60,7 @@ def plan_local_optimizer(
         >>> import torch
         >>> plan_local_optimizer(torch.optim.SGD, (), {"lr": 0.1}).factory.__name__
         'sgd'
-        >>> plan_local_optimizer(torch.optim.ASGD, (), {"lr": 0.1}).factory is None
+        >>> plan_local_optimizer(torch.optim.LBFGS, (), {"lr": 0.1}).factory is None
         True
     """
     kwargs = dict(kwargs or {})
