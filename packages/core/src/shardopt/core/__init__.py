@@ -28,7 +28,7 @@ from shardopt.core._base import (
 from shardopt.core._clipping import clip, clip_by_global_norm, global_norm
 from shardopt.core._combinators import MaskedState, PartitionState, masked, partition
 from shardopt.core._flat import update_flat_
-from shardopt.core._muon import ScaleByMuonState, muon
+from shardopt.core._muon import ScaleByMuonState, muon, newton_schulz_flops
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._plan import (
     DEFAULT_BUCKET_NUMEL,
@@ -111,6 +111,7 @@ __all__ = [
     "multi_steps",
     "muon",
     "nadam",
+    "newton_schulz_flops",
     "partition",
     "plan_partition",
     "radam",

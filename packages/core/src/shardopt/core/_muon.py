@@ -15,7 +15,7 @@ from shardopt.core._foreach import add_like_torch, lr_scalar, operand
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_leaves, zeros_like_tree
 
-__all__ = ["ScaleByMuonState", "muon", "orthogonalize"]
+__all__ = ["ScaleByMuonState", "muon", "newton_schulz_flops", "orthogonalize"]
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -29,6 +29,22 @@ class ScaleByMuonState(NamedTuple):
 
     count: PyTree
     momentum: PyTree
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
+    """Multiply-add flops of :func:`orthogonalize` on a matrix of ``shape`` (``m <= n`` after
+    the transpose): per step ``A = X X^T`` (m m n), ``A A`` (m m m) and ``B X`` (m m n). The cost
+    to balance when ranks own whole matrices; another shape costs its element count (an
+    elementwise update).
+
+    Example:
+        >>> newton_schulz_flops((768, 3072)), newton_schulz_flops((768,))
+        (18119393280, 768)
+    """
+    if len(shape) != 2:
+        return math.prod(shape)
+    m, n = sorted(shape)
+    return steps * (2 * m * m * n + m * m * m)
 
 
 def orthogonalize(

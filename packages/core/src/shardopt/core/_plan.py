@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -354,6 +355,7 @@ def plan_partition(
     strategy: Strategy | str = "flat",
     align: int | None = None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+    cost: Callable[[TensorSpec], float] | None = None,
 ) -> Plan:
     """Plans which rank owns which elements of ``tensors``, for ``world_size`` ranks.
 
@@ -370,6 +372,9 @@ def plan_partition(
             (see [Note: default alignment]).
         bucket_numel: the elements of one bucket, all ranks together (see [Note: plan layout]
             and [Note: default bucket size]); None: one bucket per group.
+        cost: greedy only: balance ``cost(spec)`` instead of torch's element counts, e.g.
+            ``lambda t: newton_schulz_flops(t.shape)`` for Muon, whose ranks own whole
+            matrices (see [Note: balancing a cost]).
 
     Returns:
         A frozen, validated :class:`Plan`.
@@ -391,9 +396,19 @@ def plan_partition(
         check_int(api, "bucket_numel", bucket_numel, 1)
     specs = collect_specs(api, tensors)
     numels = [t.numel for t in specs]
+    if cost is not None and strategy is not Strategy.GREEDY:
+        raise ValueError(
+            f"{api}: expected cost only with strategy='greedy', got {strategy.value!r}"
+        )
     if strategy is Strategy.FLAT:
         groups = layout_flat(specs, numels, world_size, align, bucket_numel)
         return Plan(strategy, world_size, align, specs, groups, None, bucket_numel)
-    owners = assign_greedy(numels, [t.param_group for t in specs], world_size)
+    if cost is None:
+        owners = assign_greedy(numels, [t.param_group for t in specs], world_size)
+    else:
+        costs = [float(cost(t)) for t in specs]
+        if not all(math.isfinite(c) and c >= 0 for c in costs):
+            raise ValueError(f"{api}: expected finite costs >= 0, got {short(costs)}")
+        owners = assign_greedy(costs, [0] * len(specs), world_size)
     groups = layout_greedy(specs, numels, owners, world_size, align, bucket_numel)
     return Plan(strategy, world_size, align, specs, groups, owners, bucket_numel)
