@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from shardopt.optim import ZeroRedundancyOptimizer
+from shardopt.optim import ZeroRedundancyOptimizer, _zero_flat
 from shardopt.testing import World
 
 STEPS = 20
@@ -203,3 +204,84 @@ def test_flat_state_is_split_exactly_and_readable_through_optim(world: World, n:
             assert set(state[piece]) == {"step", "exp_avg", "exp_avg_sq"}
             assert state[piece]["exp_avg"].shape == piece.shape
             assert state[piece]["step"].item() == 1.0
+
+
+def cosine(step: int) -> float:
+    return 0.5 * (1 + math.cos(step / 5))
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_a_per_step_lr_scheduler_trains_like_torch_and_shards_only_at_construction(
+    world: World,
+) -> None:
+    """LambdaLR gives a new lr at every step: SGD stays bitwise torch's, Adam within float32
+    tolerance, state dicts included; the new values go into the state (set_hyperparams), so
+    ``shard`` runs once per param group, at construction, and no state is probed after it."""
+    calls = {"shard": 0, "probe_fields": 0}
+
+    def counting(name: str) -> Any:
+        real = getattr(_zero_flat, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    problems = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in calls:
+            mp.setattr(_zero_flat, name, counting(name))
+        for name in ("sgd_nesterov", "adam"):
+            cls, kwargs = OPTIMIZERS[name]
+            ref_model, model = build_model(), build_model()
+            ref = cls(ref_model.parameters(), **kwargs)
+            before = calls["shard"]
+            ours = ZeroRedundancyOptimizer(model.parameters(), cls, partition="flat", **kwargs)
+            built = dict(calls)
+            assert built["shard"] == before + 1  # the one param group, sharded once
+            scheds = [torch.optim.lr_scheduler.LambdaLR(o, cosine) for o in (ref, ours)]
+            for step in range(STEPS):
+                for m, o, s in zip((ref_model, model), (ref, ours), scheds):
+                    o.zero_grad()
+                    averaged_backward(m, step, world)
+                    o.step()
+                    s.step()
+                for (pname, a), b in zip(model.named_parameters(), ref_model.parameters()):
+                    where = f"{name} step {step} {pname}"
+                    problems += compare(a.detach(), b.detach(), where, name.startswith("sgd"))
+            assert calls == built, f"{name}: {calls} after the steps, {built} at construction"
+            ours.consolidate_state_dict(to=0)
+            if world.rank == 0:
+                exact = name.startswith("sgd")
+                problems += compare(ours.state_dict(), ref.state_dict(), f"{name} sd", exact)
+    assert not problems, problems[:5]
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_adamw_weight_decay_edited_to_and_from_zero_keeps_training_like_torch(
+    world: World,
+) -> None:
+    """weight_decay 0 drops AdamW's decoupled decay from the core chain, not a state field: the
+    same state tensors are re-seated in the new chain's state, as torch keeps its state."""
+    ref_model, model = build_model(), build_model()
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+    ours = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, partition="flat", **kwargs
+    )
+    buffers = [b for f in ours.optim.units()[0].state.fields for b in f.buffers]
+    for step in range(12):
+        if step in (4, 8):
+            for o in (ref, ours):
+                o.param_groups[0]["weight_decay"] = 0.0 if step == 4 else 0.05
+        for m, o in ((ref_model, ref), (model, ours)):
+            o.zero_grad()
+            averaged_backward(m, step, world)
+            o.step()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert rel_error(a.detach(), b.detach()) <= RTOL[torch.float32], f"step {step}"
+    now = [b for f in ours.optim.units()[0].state.fields for b in f.buffers]
+    assert len(now) == len(buffers)
+    assert all(a is b for a, b in zip(now, buffers))
+    assert ours.optim.units()[0].state.inner.hyperparams["weight_decay"] == 0.05

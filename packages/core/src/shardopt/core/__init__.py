@@ -28,6 +28,7 @@ from shardopt.core._base import (
 from shardopt.core._clipping import clip, clip_by_global_norm, global_norm
 from shardopt.core._combinators import MaskedState, PartitionState, masked, partition
 from shardopt.core._flat import update_flat_
+from shardopt.core._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from shardopt.core._muon import ScaleByMuonState, muon, newton_schulz_flops
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._plan import (
@@ -65,6 +66,7 @@ __all__ = [
     "DEFAULT_BUCKET_NUMEL",
     "EmptyState",
     "FlatGroup",
+    "InjectHyperparamsState",
     "MaskedState",
     "MultiStepsState",
     "PartitionState",
@@ -105,6 +107,7 @@ __all__ = [
     "cosine_decay",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "join_schedules",
     "linear_warmup",
     "masked",
@@ -122,6 +125,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_rprop",
+    "set_hyperparams",
     "sgd",
     "step_by_learning_rate",
     "trace",

@@ -131,7 +131,6 @@ def inherit_whole_tensors(tx: Transformation, inner: Iterable[Transformation]) -
     return tx if name is None else with_whole_tensors(tx, name)
 
 
-
 def chain(*transformations: Transformation) -> Transformation:
     """Applies transformations one after the other; the state is the tuple of their states.
 

@@ -9,6 +9,11 @@ import torch
 
 from shardopt.core import Plan
 from shardopt.functional._checkpoint_keys import outside_tensors
+from shardopt.functional._hyperparams import (
+    checked_hyperparams,
+    saved_hyperparams,
+    write_hyperparams,
+)
 from shardopt.functional._state import ShardedState
 
 __all__ = ["SHARDED_FORMAT", "load_sharded_state_dict", "sharded_state_dict"]
@@ -23,7 +28,8 @@ SHARDED_FORMAT = "shardopt.sharded_state_dict/1"
 #    counts, master weights, replicated leaves), plus the plan as plain data and the rank. No
 #    communication, no copies: ``torch.save`` it to one file per rank. It reloads only into the
 #    same plan at the same rank (checked, with a clear error otherwise). Use it for frequent,
-#    cheap restarts of the same job. Works for any core transformation.
+#    cheap restarts of the same job. Works for any core transformation. Injected hyperparameters
+#    are saved too ([Note: hyperparameters of a sharded state]).
 # 2. torch.optim format (``consolidate_state_dict`` / ``load_torch_state_dict``): exactly what
 #    ``torch.optim.<Class>(params).state_dict()`` returns, on one rank, built by one gather of
 #    the flat field buffers per plan group and one of the per-piece values (no pickled objects
@@ -41,7 +47,7 @@ SHARDED_FORMAT = "shardopt.sharded_state_dict/1"
 #    DCP reshards on load: any world size, any plan (flat or greedy), and the model's own state
 #    dict can go in the same checkpoint (``extra``). Writes are atomic (a temporary directory
 #    renamed into place, [Note: atomic checkpoints]). Use it for large models and restarts at
-#    another world size.
+#    another world size. Injected hyperparameters go under ``optim.hyperparams``.
 #
 # All three hold the optimizer state only. Parameters come from the model's state dict (save it
 # alongside: ``extra={"model": model.state_dict()}`` in form 3); load them before the optimizer
@@ -58,7 +64,9 @@ def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
 
     Returns:
         ``{"format", "plan": plan.to_dict(), "rank", "fields": {path: {"kind", "buffers"}},
-        "master": [tensor or None per group], "replicated": {path: tensor}}``.
+        "master": [tensor or None per group], "replicated": {path: tensor}, "hyperparams":
+        {key: value}}`` (``hyperparams``: those of ``inject_hyperparams``, see
+        [Note: hyperparameters of a sharded state]).
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -85,6 +93,7 @@ def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
         },
         "master": list(state.master),
         "replicated": {path: t for path, t, _ in outside_tensors(state)},
+        "hyperparams": saved_hyperparams(state),
     }
 
 
@@ -92,7 +101,9 @@ def load_sharded_state_dict(state: ShardedState, sd: Mapping[str, Any]) -> None:
     """Copies a :func:`sharded_state_dict` of the same plan and rank into ``state``, in place.
 
     Everything is checked before anything is written: the format, the plan (equal to
-    ``state``'s), the rank, the field paths, kinds, sizes and dtypes, the master weights.
+    ``state``'s), the rank, the field paths, kinds, sizes and dtypes, the master weights, the
+    injected hyperparameters (set into the state's dict, see
+    [Note: hyperparameters of a sharded state]).
 
     Raises:
         ValueError: on any mismatch, e.g. ``load_sharded_state_dict: expected the state dict of
@@ -118,9 +129,11 @@ def load_sharded_state_dict(state: ShardedState, sd: Mapping[str, Any]) -> None:
     """
     api = "load_sharded_state_dict"
     pairs = _check_sharded(api, state, sd)
+    writes = checked_hyperparams(api, state, sd.get("hyperparams", {}), every=True)
     with torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)
+    write_hyperparams(writes)
 
 
 def _check_sharded(

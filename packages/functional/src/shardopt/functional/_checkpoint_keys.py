@@ -12,7 +12,13 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core.blocks import TORCH_COMPAT
 from shardopt.functional._layout import FlatLayout
-from shardopt.functional._state import FieldKind, ShardedState, StateField, piece_slots
+from shardopt.functional._state import (
+    FieldKind,
+    ShardedState,
+    StateField,
+    piece_slots,
+    without_hyperparams,
+)
 
 __all__ = [
     "STATE_KEYS",
@@ -120,7 +126,8 @@ def field_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> Fi
 
 def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]:
     """The tensors of ``state.inner`` outside its fields, by path, each with whether it is
-    replicated (a plain leaf, the same on every rank) rather than one of a per-piece list."""
+    replicated (a plain leaf, the same on every rank) rather than one of a per-piece list.
+    Injected hyperparameters are not state (see [Note: hyperparameters of a sharded state])."""
     n = len(state.layout.pieces)
     paths = {f.path for f in state.fields}
 
@@ -128,7 +135,8 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
         return type(x) is list and len(x) == n and all(isinstance(e, torch.Tensor) for e in x)
 
     out = []
-    for path, leaf in pytree.tree_flatten_with_path(state.inner, is_leaf=is_field)[0]:
+    inner = without_hyperparams(state.inner)
+    for path, leaf in pytree.tree_flatten_with_path(inner, is_leaf=is_field)[0]:
         key = pytree.keystr(path)
         if key in paths:
             continue

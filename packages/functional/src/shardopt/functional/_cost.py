@@ -196,8 +196,8 @@ def replica_bytes(plan: Plan, rank: int, *, reduce_dtype: torch.dtype | None = N
 
     Example:
         >>> from shardopt.core import plan_partition
-        >>> replica_bytes(plan_partition([((10, 10), "float32")], 4), 0)
-        100
+        >>> replica_bytes(plan_partition([((10, 10), "float32")], 4), 0)  # 4 x 32 (aligned)
+        128
     """
     total = 0
     for group in plan.groups:

@@ -28,6 +28,12 @@ from shardopt.functional._checkpoint_keys import (
 )
 from shardopt.functional._collectives import ProcessGroup, comm_device
 from shardopt.functional._dcp_pieces import LocalBoxes, boxes
+from shardopt.functional._hyperparams import (
+    checked_hyperparams,
+    hyperparam_placeholders,
+    saved_hyperparams,
+    write_hyperparams,
+)
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional._validate import agree_across_ranks, fingerprint
@@ -35,6 +41,7 @@ from shardopt.functional._validate import agree_across_ranks, fingerprint
 __all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 
 OPTIM_KEY = "optim"
+HYPERPARAMS = f"{OPTIM_KEY}.hyperparams."  # [Note: hyperparameters of a sharded state]
 
 # [Note: atomic checkpoints]
 # DCP writes a directory file by file, its ``.metadata`` last (on the coordinator, once every
@@ -234,6 +241,9 @@ def save_checkpoint(
         )
 
     optim = _optim_dict(state, keys, key_of, present, lambda t: True)
+    hyperparams = saved_hyperparams(state)
+    if hyperparams:
+        optim["hyperparams"] = hyperparams
     sd = {OPTIM_KEY: {**optim, "param_groups": groups}, **(extra or {})}
     try:
         dcp.save(sd, storage_writer=(writer or FileSystemWriter)(tmp), process_group=group)
@@ -305,7 +315,9 @@ def load_checkpoint(
     (count 0). Master weights come from the checkpoint, or else from the current parameters
     (load the model first). ``extra`` (e.g. ``{"model": model.state_dict()}``) is loaded in
     place too. Everything is checked against the checkpoint's metadata on every rank before
-    any data is read, and every rank raises the same error on a mismatch.
+    any data is read, and every rank raises the same error on a mismatch. Injected
+    hyperparameters in the checkpoint are read and checked first, and set with the rest (see
+    [Note: hyperparameters of a sharded state]).
 
     Example:
         see :func:`save_checkpoint`.
@@ -320,6 +332,7 @@ def load_checkpoint(
     error = _common_checks(state, extra)
     present: list[bool] = []
     masters: list[bool] = []
+    hyperparams: dict[str, Any] = {}
     if error is None:
         try:
             md = FileSystemReader(source).read_metadata()
@@ -327,12 +340,22 @@ def load_checkpoint(
             md, error = None, f"a readable checkpoint at {source!r}, got {type(exc).__name__}"
         if md is not None:
             error, present, masters = _check_metadata(api, state, keys, key_of, md)
+            saved = {
+                k[len(HYPERPARAMS) :] for k in md.state_dict_metadata if k.startswith(HYPERPARAMS)
+            }
+            hyperparams = hyperparam_placeholders(state, saved)
     if error is None:
         error = _fresh_where_absent(state, keys, key_of, present)
     agree_across_ranks(api, error, fingerprint(plan, (asked, key_of)), group)
+    if hyperparams:  # the same keys on every rank (same checkpoint, same transformation)
+        hyper_sd = {OPTIM_KEY: {"hyperparams": hyperparams}}
+        dcp.load(hyper_sd, storage_reader=FileSystemReader(source), process_group=group)
+        hyperparams = hyper_sd[OPTIM_KEY]["hyperparams"]
+    writes = checked_hyperparams(api, state, hyperparams, every=False)  # alike on every rank
     optim = _optim_dict(state, keys, key_of, lambda t, k: present[t], masters.__getitem__)
     sd = {OPTIM_KEY: optim, **(extra or {})}
     dcp.load(sd, storage_reader=FileSystemReader(source), process_group=group)
+    write_hyperparams(writes)
     if extra is not None:
         extra.update({k: sd[k] for k in extra})
     with torch.no_grad():

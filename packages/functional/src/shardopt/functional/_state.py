@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import Transformation
+from shardopt.core import InjectHyperparamsState, Transformation
 from shardopt.functional._layout import FlatLayout
 
 __all__ = [
@@ -19,9 +19,11 @@ __all__ = [
     "StepStats",
     "flatten_state",
     "init_values",
+    "injected_states",
     "piece_slots",
     "probe_fields",
     "slice_state",
+    "without_hyperparams",
 ]
 
 # [Note: sharded state layout]
@@ -53,7 +55,8 @@ __all__ = [
 # - ``stats``: the global gradient norm and whether the last step was skipped (or None).
 #
 # Leaves of ``inner`` outside fields (a transform with a global, not per-parameter, state) stay as
-# they are; they are replicated, never sharded.
+# they are; they are replicated, never sharded. The hyperparameters of an ``inject_hyperparams``
+# state are neither: see [Note: hyperparameters of a sharded state].
 
 
 class FieldKind(enum.Enum):
@@ -224,3 +227,41 @@ def init_values(tx: Transformation, dtypes: Sequence[torch.dtype]) -> dict[str, 
         for path, leaf in leaves
         if is_field(leaf) and all(isinstance(e, torch.Tensor) for e in leaf)
     }
+
+
+def _is_injected(x: Any) -> bool:
+    return isinstance(x, InjectHyperparamsState)
+
+
+def injected_states(inner: Any, prefix: str = "") -> list[tuple[str, InjectHyperparamsState]]:
+    """Every ``inject_hyperparams`` state in ``inner`` with its path, an outer one before those
+    in its ``inner`` (see [Note: hyperparameters of a sharded state]).
+
+    Example:
+        >>> from shardopt.core import inject_hyperparams, sgd
+        >>> [(p, s.hyperparams) for p, s in injected_states(
+        ...     (inject_hyperparams(sgd, lr=0.1).init([torch.zeros(1)]),))]
+        [('[0]', {'lr': 0.1})]
+    """
+    out = []
+    for path, leaf in pytree.tree_flatten_with_path(inner, is_leaf=_is_injected)[0]:
+        if _is_injected(leaf):
+            where = prefix + _key(path)
+            out += [(where, leaf), *injected_states(leaf.inner, f"{where}.inner")]
+    return out
+
+
+def without_hyperparams(inner: Any) -> Any:
+    """``inner`` with an empty dict in place of the hyperparameters of each ``inject_hyperparams``
+    state in it (every other path unchanged): the optimizer state proper.
+
+    Example:
+        >>> from shardopt.core import inject_hyperparams, sgd
+        >>> without_hyperparams(inject_hyperparams(sgd, lr=torch.tensor(0.1)).init([]))
+        InjectHyperparamsState(hyperparams={}, inner=(EmptyState(),))
+    """
+
+    def strip(x: Any) -> Any:
+        return InjectHyperparamsState({}, without_hyperparams(x.inner)) if _is_injected(x) else x
+
+    return pytree.tree_map(strip, inner, is_leaf=_is_injected)

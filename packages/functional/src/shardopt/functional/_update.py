@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import Transformation, update_flat_
+from shardopt.core import InjectHyperparamsState, Transformation, update_flat_
 from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
 
@@ -26,15 +26,22 @@ __all__ = ["update_and_sync"]
 # 12x1024 MLP under gloo, W = 2 / 4 on 2 cores, it took 7.0-7.2 / 7.3-8.9 ms so against
 # 9.8-10.4 / 10.2-11.7 ms pipelined), then the gathers are launched in bucket order, the order
 # the forward needs them. A state with tensors outside its per-piece fields
-# cannot be cut by pieces; it is updated in one call, then gathered bucket by bucket.
+# cannot be cut by pieces; it is updated in one call, then gathered bucket by bucket. The
+# hyperparameters of an ``inject_hyperparams`` state do not count (a 0-d tensor lr included):
+# every bucket's call reads them, none writes them ([Note: hyperparameters of a sharded state]).
 
 
 def _sliceable(inner: Any, n: int) -> bool:
-    def is_field(x: Any) -> bool:
-        return type(x) is list and len(x) == n
+    def stop(x: Any) -> bool:
+        return (type(x) is list and len(x) == n) or isinstance(x, InjectHyperparamsState)
 
-    leaves = pytree.tree_leaves(inner, is_leaf=is_field)
-    return not any(isinstance(x, torch.Tensor) for x in leaves)
+    for x in pytree.tree_leaves(inner, is_leaf=stop):
+        if isinstance(x, InjectHyperparamsState):
+            if not _sliceable(x.inner, n):  # its hyperparameters are read-only
+                return False
+        elif isinstance(x, torch.Tensor):
+            return False
+    return True
 
 
 def _update(

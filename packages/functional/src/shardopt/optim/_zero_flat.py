@@ -7,8 +7,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from shardopt.core import Plan, Transformation, plan_partition
+from shardopt.core import (
+    InjectHyperparamsState,
+    Plan,
+    Transformation,
+    inject_hyperparams,
+    plan_partition,
+    set_hyperparams,
+)
 from shardopt.functional import ShardedState, ShardedTransformation, shard
 from shardopt.functional.engine import ProcessGroup, init_values, probe_fields
 from shardopt.optim._core_mapping import plan_local_optimizer
@@ -22,24 +30,30 @@ __all__ = ["FlatShardOptimizer", "torch_defaults"]
 
 API = "ZeroRedundancyOptimizer"
 
+Factory = Callable[..., Transformation]
+
 # [Note: the flat local optimizer]
 # With partition="flat", ``zero.optim`` is a FlatShardOptimizer. Each param group is one
 # ``shardopt.functional.shard(tx, plan_partition(group's params, W, strategy="flat"), stage=1)``,
-# ``tx`` being the shardopt.core factory of the torch.optim class (``plan_local_optimizer``)
-# built with the group's hyperparameters: equal slices of one flat buffer per dtype, parameters
-# cut between ranks where the slices fall, one parameter all-gather per group and dtype. It reads
-# like a torch.optim.Optimizer over this rank's slice:
+# ``tx`` being ``inject_hyperparams(factory, **hyperparameters)`` of the shardopt.core factory of
+# the torch.optim class (``plan_local_optimizer``) and the group's hyperparameters, which so live
+# in the state ([Note: hyperparameters in the state] in shardopt.core): equal slices of one flat
+# buffer per dtype, parameters cut between ranks where the slices fall, one parameter all-gather
+# per group and dtype. It reads like a torch.optim.Optimizer over this rank's slice:
 # - ``param_groups[i]``: the group's hyperparameters, with every key torch's class fills in, and
 #   ``"params"``: 1-D views of the pieces of parameters this rank updates (layout order).
 # - ``state``: piece view -> {torch's state name: view of the piece's state}, for the pieces
 #   torch would have state for (stepped at least once; Adagrad: always). A snapshot of views,
 #   rebuilt on each access: writing into its tensors writes the optimizer's state.
-# - ``step()``: each group's hyperparameters are compared with those its tx was built from; on a
-#   change (an LR scheduler, an edit of ``param_groups``, ``load_state_dict``) the tx is rebuilt
-#   from the new values, so a float lr stays a float and the update stays torch's (a 0-d tensor
-#   lr would take torch's tensor-lr arithmetic). The state is kept: same fields, same buffers. A
-#   change that would alter the state's structure (``momentum`` or ``weight_decay`` from 0,
-#   ``amsgrad``, ``centered``) raises instead.
+# - ``step()``: each group's hyperparameters are compared with those of the last step; on a
+#   change (an LR scheduler, an edit of ``param_groups``, ``load_state_dict``) the new values go
+#   into the state by ``set_hyperparams``: nothing is re-sharded or probed, the next update builds
+#   the core transformation from them (closures), so a float lr stays a float and the update
+#   stays torch's (a 0-d tensor lr would take torch's tensor-lr arithmetic). The state's tensors
+#   are kept: same fields, same buffers. A change that would alter its fields (``momentum`` or
+#   ``weight_decay`` from 0, ``amsgrad``, ``centered``) raises instead; one that changes only
+#   the chain around them (AdamW's ``weight_decay`` to or from 0) re-seats the same fields in
+#   the new chain's state (``_Unit.reseated``).
 
 
 def torch_defaults(
@@ -58,21 +72,40 @@ def torch_defaults(
 class _Unit:
     """One param group's shard: plan, sharded transformation and state, and what built them."""
 
-    __slots__ = ("fields", "hyper", "initial", "params", "pieces", "plan", "sharded", "state")
+    __slots__ = (
+        "_initial",
+        "factory",
+        "fields",
+        "hyper",
+        "params",
+        "pieces",
+        "plan",
+        "sharded",
+        "state",
+    )
 
     def __init__(
         self,
         params: list[torch.Tensor],
         plan: Plan,
-        tx: Transformation,
+        core: tuple[Factory, dict[str, Any]],
         hyper: dict[str, Any],
         group: ProcessGroup,
     ) -> None:
-        self.params, self.plan = params, plan
-        self.set_tx(tx, hyper, group)
+        self.params, self.plan, self.hyper = params, plan, hyper
+        self.factory, kwargs = core
+        tx = inject_hyperparams(self.factory, **kwargs)
+        self.sharded: ShardedTransformation = shard(
+            tx,
+            plan,
+            group=group,
+            stage=1,
+            grads_averaged=True,  # DDP averaged them
+        )
+        self.fields = self.structure(self.factory(**kwargs))
         self.state: ShardedState = self.sharded.init(params)
-        layout = self.state.layout
-        self.pieces = layout.param_views()
+        self.pieces = self.state.layout.param_views()
+        self._initial: tuple[Any, dict[str, list[float]]] = (None, {})
 
     def structure(self, tx: Transformation) -> dict[str, Any]:
         """The fields of ``tx``'s state over this plan: path -> (kind, dtypes)."""
@@ -80,18 +113,33 @@ class _Unit:
         found = probe_fields(tx, probes)
         return {path: (kind.value, dtypes) for path, (kind, dtypes) in found.items()}
 
-    def set_tx(self, tx: Transformation, hyper: dict[str, Any], group: ProcessGroup) -> None:
-        """Steps with ``tx``, built from ``hyper``, from now on (the state is kept)."""
-        self.sharded: ShardedTransformation = shard(
-            tx,
-            self.plan,
-            group=group,
-            stage=1,
-            grads_averaged=True,  # DDP averaged them
-        )
-        self.fields = self.structure(tx)
-        self.initial = init_values(tx, [getattr(torch, g.dtype) for g in self.plan.groups])
-        self.hyper = hyper
+    @property
+    def initial(self) -> dict[str, list[float]]:
+        """Each field's initial value per plan group under the current hyperparameters (computed
+        on the first use after a change)."""
+        hyper = self.state.inner.hyperparams
+        if self._initial[0] is not hyper:
+            tx = inject_hyperparams(self.factory, **hyper)
+            dtypes = [getattr(torch, g.dtype) for g in self.plan.groups]
+            self._initial = (hyper, init_values(tx, dtypes))
+        return self._initial[1]
+
+    def reseated(self, kwargs: dict[str, Any]) -> InjectHyperparamsState | None:
+        """The state of ``inject_hyperparams(factory, **kwargs)`` over this rank's pieces with
+        the current field tensors at the same paths; None if a field has no place in it."""
+        n = len(self.pieces)
+
+        def is_field(x: Any) -> bool:
+            return type(x) is list and len(x) == n
+
+        empty = [torch.empty(0, dtype=v.dtype, device=v.device) for v in self.pieces]
+        fresh = inject_hyperparams(self.factory, **kwargs).init(empty)
+        old = pytree.tree_flatten_with_path(self.state.inner, is_leaf=is_field)[0]
+        fields = {f.path for f in self.state.fields}
+        current = {k: x for p, x in old if (k := pytree.keystr(p)) in fields}
+        leaves, spec = pytree.tree_flatten_with_path(fresh, is_leaf=is_field)
+        new = [current.pop(pytree.keystr(p), x) for p, x in leaves]
+        return None if current else pytree.tree_unflatten(new, spec)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -132,8 +180,9 @@ class FlatShardOptimizer:
         AdamW's ``decoupled_weight_decay``, which it sets itself)."""
         return {k: v for k, v in group.items() if k in self._arguments}
 
-    def build(self, hyper: dict[str, Any]) -> Transformation:
-        """The core transformation of the class with ``hyper``; raises ValueError if none."""
+    def core(self, hyper: dict[str, Any]) -> tuple[Factory, dict[str, Any]]:
+        """The core factory of the class and its arguments for ``hyper``; raises ValueError if
+        none."""
         spec = plan_local_optimizer(self.optimizer_class, (), hyper)
         if spec.factory is None:
             unmapped = [
@@ -146,7 +195,12 @@ class FlatShardOptimizer:
                 f"{self.optimizer_class.__name__} with {', '.join(unmapped) or hyper}; use "
                 "partition='greedy'"
             )
-        return spec.factory(**spec.factory_kwargs)
+        return spec.factory, spec.factory_kwargs
+
+    def build(self, hyper: dict[str, Any]) -> Transformation:
+        """The core transformation of the class with ``hyper``; raises ValueError if none."""
+        factory, kwargs = self.core(hyper)
+        return factory(**kwargs)
 
     def prepare(self, group: dict[str, Any]) -> None:
         """Fills ``group`` (a ZeroRedundancyOptimizer group) with the class's defaults and checks
@@ -162,17 +216,36 @@ class FlatShardOptimizer:
         unit = None
         if params:
             plan = plan_partition(params, self._world_size, strategy="flat")
-            unit = _Unit(params, plan, self.build(hyper), hyper, self._group)
+            unit = _Unit(params, plan, self.core(hyper), hyper, self._group)
         self._units.append(unit)
         self.param_groups.append({**hyper, "params": [] if unit is None else unit.pieces})
 
     def _refresh(self, unit: _Unit, group: dict[str, Any]) -> None:
+        """Puts changed hyperparameters of ``group`` into the unit's state (see [Note: the flat
+        local optimizer])."""
         hyper = self.hyperparameters(group)
         if _same(hyper, unit.hyper):
             return
-        tx = self.build(hyper)
-        structure = unit.structure(tx)
-        if structure != unit.fields:
+        current = unit.state.inner.hyperparams
+        changed = [k for k in hyper if not _same({k: hyper[k]}, {k: unit.hyper.get(k)})]
+        if hyper.keys() == unit.hyper.keys() and all(k in current for k in changed):
+            changes = {k: hyper[k] for k in changed}
+        else:  # a key the factory does not take (a kernel flag, one without a core form)
+            changes = self.core(hyper)[1]
+        try:
+            inner = set_hyperparams(unit.state.inner, **changes)
+        except ValueError:
+            inner = self._restructured(unit, hyper)
+        unit.state = unit.state._replace(inner=inner)
+        unit.hyper = hyper
+
+    def _restructured(self, unit: _Unit, hyper: dict[str, Any]) -> InjectHyperparamsState:
+        """The unit's inner state for ``hyper``, which ``set_hyperparams`` refused: the factory's
+        own error, the fields' change, or the same fields in another chain (re-seated)."""
+        factory, kwargs = self.core(hyper)
+        structure = unit.structure(factory(**kwargs))  # raises what the factory rejects
+        reseated = unit.reseated(kwargs) if structure == unit.fields else None
+        if reseated is None:
             changed = sorted(k for k in hyper if not _same({k: hyper[k]}, {k: unit.hyper.get(k)}))
             raise ValueError(
                 f"{API}: partition='flat' cannot change {', '.join(changed)} of "
@@ -180,7 +253,7 @@ class FlatShardOptimizer:
                 f"{sorted(unit.fields)} would become {sorted(structure)}); set them at "
                 "construction"
             )
-        unit.set_tx(tx, hyper, self._group)
+        return reseated
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Runs ``closure`` (under grad mode), then updates and all-gathers every group."""
