@@ -16,6 +16,7 @@ from shardopt.functional import (
     register_grad_hooks,
     register_param_hooks,
     replica_bytes,
+    save_checkpoint,
     shard,
     wait_params,
 )
@@ -213,3 +214,32 @@ def test_clipping_with_tensor_parallel_params_uses_the_norm_of_the_full_gradient
     for params in run_world(train_tensor_parallel, 4, stage, "flat", "grad", 0.05):
         for p, e in zip(params, expected):
             torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+
+
+def checkpoint_refusal(rank: int, world: int, kind: str, path: str) -> str:
+    """save_checkpoint of a tensor-parallel or a hybrid state: the error on this rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = small_mlp()
+    if kind == "tp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+        group: Any = mesh["dp"]
+    else:
+        group = make_mesh("2d", world)
+    params = list(model.parameters())
+    state = shard(adamw(), plan_partition(params, 2), group=group).init(params)
+    try:
+        save_checkpoint(state, path)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["tp", "hybrid"])
+def test_checkpoints_of_tensor_parallel_or_hybrid_states_are_refused_not_mixed_up(
+    run_world, tmp_path, kind
+):
+    for message in run_world(checkpoint_refusal, 4, kind, str(tmp_path / "ckpt")):
+        assert "checkpoints do not carry tensor-parallel placements nor hybrid meshes" in message
+    assert not (tmp_path / "ckpt").exists()

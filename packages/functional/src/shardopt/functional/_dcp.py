@@ -114,6 +114,13 @@ def _optim_dict(
 
 
 def _common_checks(state: ShardedState, extra: Any) -> str | None:
+    layout = state.layout
+    if getattr(layout, "tensor_parallel", None) is not None or getattr(layout, "replicate", None):
+        return (
+            "a state without tensor-parallel (DTensor) parameters or replicas: checkpoints do "
+            "not carry tensor-parallel placements nor hybrid meshes yet (save "
+            "sharded_state_dict(state) on every rank instead)"
+        )
     per_piece = [path for path, _, replicated in outside_tensors(state) if not replicated]
     if per_piece:
         return f"every per-parameter tensor of the state in a field, got others at {per_piece}"
