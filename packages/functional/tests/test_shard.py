@@ -523,22 +523,3 @@ def test_reference_models_train_like_torch_for_20_steps(
         exact=is_sgd and world <= 2,
         backend="gloo",
     )
-
-
-def whole_tensor_refusal(rank: int, world: int) -> str:
-    from shardopt.core import muon
-
-    params = [torch.ones(4, 4)]
-    try:
-        shard(muon(), plan_partition(params, world)).init(params)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_shard_refuses_a_transformation_that_needs_whole_tensors(run_world):
-    for message in run_world(whole_tensor_refusal, 2):
-        assert message.startswith(
-            "shard: expected an elementwise transformation (its pieces are slices of flat "
-            "buffers), got one that needs whole tensors"
-        )

@@ -11,7 +11,7 @@ import torch
 from shardopt.core._base import WHOLE_TENSORS, Transformation, needs_whole_tensors
 from shardopt.core._tree import tree_leaves
 
-__all__ = ["FlatRule", "flat_rule", "update_flat_", "with_flat_rule"]
+__all__ = ["FlatRule", "flat_rule", "update_flat_", "update_whole_", "with_flat_rule"]
 
 FlatRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
 
@@ -81,6 +81,36 @@ def update_flat_(
         rule(params, grads, state)
         return
     updates, new_state = tx.update(grads, state, params)
+    for p, u in zip(params, updates):
+        if u is not None:
+            p.add_(u.to(p.dtype))
+    for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
+        if isinstance(old, torch.Tensor) and old is not new:
+            old.copy_(new)
+
+
+@torch.no_grad()
+def update_whole_(
+    tx: Transformation,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    state: Any,
+) -> None:
+    """Updates whole ``params`` and ``state`` in place with ``tx``'s pure update.
+
+    For transformations that need whole tensors (see [Note: whole tensors]), on tensors of their
+    own shapes, e.g. the matrices a rank owns whole: ``tx.update`` runs, its updates are added to
+    ``params`` and its new state is copied into the tensors of ``state``.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import muon
+        >>> tx, p = muon(lr=0.1, weight_decay=0.0), [torch.eye(2)]
+        >>> update_whole_(tx, p, [torch.eye(2)], tx.init(p))
+        >>> [round(x, 4) for x in p[0].diagonal().tolist()]
+        [0.8875, 0.8875]
+    """
+    updates, new_state = tx.update(list(grads), state, list(params))
     for p, u in zip(params, updates):
         if u is not None:
             p.add_(u.to(p.dtype))

@@ -11,7 +11,7 @@ torch compatibility record of every optimizer ([Note: torch compatibility record
 from shardopt.core._adagrad import AdagradHyperparams
 from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tensors
-from shardopt.core._flat import FlatRule, flat_rule, with_flat_rule
+from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._schedules import resolve
 from shardopt.core._sgd import SGDHyperparams
@@ -43,6 +43,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_structure",
+    "update_whole_",
     "with_flat_rule",
     "with_whole_tensors",
     "zeros_like_tree",

@@ -225,15 +225,16 @@ def _init(
     group = groups.shard
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error: str | BaseException | None = check_params(plan, params, world)
-    if needs_whole_tensors(tx):  # see core's [Note: whole tensors]
+    whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
+    if whole and plan.owners is None:
         error = error or (
-            "an elementwise transformation (its pieces are slices of flat buffers), got one "
-            "that needs whole tensors (Muon, Adafactor): step it on whole parameters instead"
+            "a plan of whole tensors (strategy='greedy') for a transformation that needs them "
+            "(Muon, Adafactor), got a flat plan, whose pieces are slices"
         )
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
         dtypes = _piece_dtypes(plan, opts)
-        probed = probe_fields(tx, [torch.zeros(2, dtype=d) for d in dtypes])
+        probed = probe_fields(tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes])
         computes = probe_updates(tx, dtypes)
     except Exception as exc:  # raised below, on this rank, after the agreement
         error = error or exc
@@ -254,7 +255,10 @@ def _init(
         for g, m in enumerate(opts.master_for(buf.dtype) for buf in layout.buffers)
     )
     shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(master)]
-    inner, fields, _ = flatten_state(tx.init(layout.piece_views(shards)), layout, probed)
+    views = layout.piece_views(shards)
+    inner, fields, _ = flatten_state(
+        tx.init(shaped(layout, views) if whole else views), layout, probed
+    )
     reducer = None
     if opts.reduces:
         reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)
@@ -292,6 +296,21 @@ def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel
     if not groups:
         return None
     return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in layout.pieces))
+
+
+# [Note: whole matrices]
+# Muon and Adafactor (core's [Note: whole tensors]) step whole matrices, so they are sharded by a
+# greedy plan, whose pieces are whole tensors (``plan_partition(..., strategy="greedy",
+# cost=...)`` balances their cost): the owner of a matrix receives its averaged gradient by the
+# same bucketed reduce-scatter, updates it with the transformation's pure update on views in the
+# matrix's shape (``update_whole_``; the state is in those shapes too), and the same all-gather
+# sends it back. A flat plan is refused at init.
+
+
+def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
+    """Each piece's view in its tensor's shape (pieces of greedy plans are whole tensors)."""
+    shapes = [layout.plan.tensors[p.tensor].shape for p in layout.pieces]
+    return [v if v is None else v.view(shape) for v, shape in zip(views, shapes)]
 
 
 def _locals(tree: PyTree) -> list[Any]:

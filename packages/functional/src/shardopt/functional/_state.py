@@ -112,9 +112,10 @@ def probe_fields(
 ) -> dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]]:
     """The fields of ``tx``'s state, with their kind and dtype per group, from one probe per group.
 
-    ``probes[g]`` is a 2-element tensor of the dtype and device the pieces of group ``g`` have.
-    A field whose probe leaves are all 2-element tensors is ELEMENTWISE, all 0-d PER_PIECE; any
-    other per-piece list is left out (stored as it comes).
+    ``probes[g]`` is a 2-element tensor of the dtype and device the pieces of group ``g`` have
+    (2 x 3 for whole-tensor transformations). A field whose probe leaves all have their probe's
+    shape is ELEMENTWISE, all 0-d PER_PIECE; any other per-piece list is left out (stored as it
+    comes).
     """
     state = tx.init(list(probes))
     leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=_field_pred(len(probes)))
@@ -122,7 +123,7 @@ def probe_fields(
     for path, leaf in leaves:
         if not _field_pred(len(probes))(leaf) or any(e is None for e in leaf):
             continue
-        if all(e.shape == (2,) for e in leaf):
+        if all(e.shape == q.shape for e, q in zip(leaf, probes)):
             out[_key(path)] = (FieldKind.ELEMENTWISE, tuple(e.dtype for e in leaf))
         elif all(e.dim() == 0 for e in leaf):
             out[_key(path)] = (FieldKind.PER_PIECE, tuple(e.dtype for e in leaf))
@@ -157,8 +158,8 @@ def flatten_state(
         views = []
         for k, (piece, value) in enumerate(zip(layout.pieces, leaf)):
             buf = buffers[piece.group]
-            if kind is FieldKind.ELEMENTWISE:
-                view = buf[piece.offset : piece.offset + piece.numel]
+            if kind is FieldKind.ELEMENTWISE:  # in the value's shape: a whole tensor's, maybe
+                view = buf[piece.offset : piece.offset + piece.numel].view(value.shape)
             else:
                 view = buf[index_in_group[k]]
             view.copy_(value)

@@ -9,6 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core import InjectHyperparamsState, Transformation, update_flat_
+from shardopt.core.blocks import needs_whole_tensors, update_whole_
 from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
 
@@ -84,8 +85,17 @@ def update_and_sync(
         m = master[p.group]
         if m is not None:
             params[i] = m[p.offset : p.offset + p.numel]
-    sliceable = _sliceable(inner, len(params)) and not layout.deferred
-    if not sliceable:
+    whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
+    sliceable = _sliceable(inner, len(params)) and not layout.deferred and not whole
+    if whole:
+        shapes = [layout.plan.tensors[p.tensor].shape for p in layout.pieces]
+        update_whole_(
+            tx,
+            [p.view(s) for p, s in zip(params, shapes)],
+            [g if g is None else g.view(s) for g, s in zip(grads, shapes)],
+            inner,
+        )
+    elif not sliceable:
         _update(tx, inner, params, grads, 0, len(params))
     for key in layout.keys:
         if sliceable:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from shardopt.core import Plan
+from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional._collectives import ProcessGroup, all_gather_rows, comm_device
 
 __all__ = [
@@ -147,8 +148,9 @@ def describe(value: Any) -> str:
 def probe_updates(tx: Any, dtypes: Sequence[torch.dtype]) -> str:
     """What ``tx`` computes, condensed: its first two updates of a fixed CPU probe per dtype
     (see [Note: cross-rank validation]); equal on ranks whose ``tx`` are equal."""
-    params = [torch.tensor(_PROBE, dtype=d) for d in dtypes]
-    grads = [torch.tensor(_PROBE[::-1], dtype=d) for d in dtypes]
+    shape = (2, 2) if needs_whole_tensors(tx) else (4,)  # Muon steps matrices only
+    params = [torch.tensor(_PROBE, dtype=d).view(shape) for d in dtypes]
+    grads = [torch.tensor(_PROBE[::-1], dtype=d).view(shape) for d in dtypes]
     state = tx.init(params)
     out = []
     for _ in range(2):
