@@ -79,14 +79,8 @@ def update_flat_(
     rule = flat_rule(tx)
     if rule is not None:
         rule(params, grads, state)
-        return
-    updates, new_state = tx.update(grads, state, params)
-    for p, u in zip(params, updates):
-        if u is not None:
-            p.add_(u.to(p.dtype))
-    for old, new in zip(tree_leaves(state), tree_leaves(new_state)):
-        if isinstance(old, torch.Tensor) and old is not new:
-            old.copy_(new)
+    else:  # the pure path, copied back (elementwise: slices are fine)
+        update_whole_(tx, params, grads, state)
 
 
 @torch.no_grad()
