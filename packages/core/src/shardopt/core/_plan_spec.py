@@ -6,7 +6,7 @@ import functools
 import math
 import reprlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -263,6 +263,7 @@ class FlatGroup:
     offsets: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     world_size: int
+    _shard_numels: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_dtype_device("FlatGroup", self, self.dtype, self.device)
@@ -290,6 +291,9 @@ class FlatGroup:
                     f"{self.world_size} shards, got start {b.start} and {len(b.shards)} shards"
                 )
             end = b.stop
+        per_rank = zip(*(b.shards for b in self.buckets)) if self.buckets else ()
+        numels = tuple(map(sum, per_rank)) or (0,) * self.world_size
+        object.__setattr__(self, "_shard_numels", numels)  # read per rank: once, not W^2 times
 
     @property
     def numel(self) -> int:
@@ -299,4 +303,4 @@ class FlatGroup:
     @property
     def shard_numels(self) -> tuple[int, ...]:
         """Per rank, the elements of its shards of every bucket together."""
-        return tuple(sum(b.shards[r] for b in self.buckets) for r in range(self.world_size))
+        return self._shard_numels
