@@ -103,3 +103,26 @@ def full_batch_adamw(world: int, steps: int) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in model.parameters()]
+
+
+def tensor_parallel_mlp() -> tuple[Any, torch.nn.Module]:
+    """A (dp=2, tp=2) mesh and :func:`small_mlp` with its first two linears tensor-parallel over
+    "tp" (column-, then row-wise): four DTensor parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = small_mlp()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return mesh, model
+
+
+def full_tensors(params: Any) -> list[torch.Tensor]:
+    """Each parameter whole: a DTensor's full tensor, any other detached."""
+    from torch.distributed.tensor import DTensor
+
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from shardopt.core import adamw, plan_partition
 from shardopt.functional import (
@@ -22,7 +23,13 @@ from shardopt.functional import (
 )
 from shardopt.testing import count_collectives
 
-from _functional_helpers import full_batch_adamw, mlp_batch, small_mlp
+from _functional_helpers import (
+    full_batch_adamw,
+    full_tensors,
+    mlp_batch,
+    small_mlp,
+    tensor_parallel_mlp,
+)
 
 STEPS = 10
 
@@ -152,16 +159,7 @@ def train_tensor_parallel(
 ) -> list[torch.Tensor]:
     """(dp=2, tp=2): the first two layers tensor-parallel over "tp" (column- then row-wise),
     shard over "dp"; the full parameters after STEPS steps."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = small_mlp()
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    mesh, model = tensor_parallel_mlp()
     params = list(model.parameters())
     assert sum(isinstance(p, DTensor) for p in params) == 4
     plan = plan_partition(params, 2, strategy=strategy, bucket_numel=100)
@@ -178,7 +176,7 @@ def train_tensor_parallel(
         state = sharded.step(params, None, state)
         model.zero_grad()
     wait_params(state)
-    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+    return full_tensors(params)
 
 
 @pytest.mark.parametrize(

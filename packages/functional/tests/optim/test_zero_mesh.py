@@ -9,11 +9,18 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardopt.optim import ZeroRedundancyOptimizer
 
-from _functional_helpers import full_batch_adamw, mlp_batch, small_mlp
+from _functional_helpers import (
+    full_batch_adamw,
+    full_tensors,
+    mlp_batch,
+    small_mlp,
+    tensor_parallel_mlp,
+)
 
 STEPS = 10
 
@@ -62,16 +69,7 @@ def test_the_drop_in_over_a_mesh_matches_one_process_and_holds_its_share(
 def train_tensor_parallel(rank: int, world: int, partition: str, views: bool) -> list[torch.Tensor]:
     """(dp=2, tp=2): the first two layers tensor-parallel over "tp", DDP and the drop-in over
     "dp"; the full parameters after STEPS steps."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = small_mlp()
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    mesh, model = tensor_parallel_mlp()
     opt = ZeroRedundancyOptimizer(
         model.parameters(),
         torch.optim.AdamW,
@@ -90,7 +88,7 @@ def train_tensor_parallel(rank: int, world: int, partition: str, views: bool) ->
             local.div_(2)
         opt.step()
         opt.zero_grad()
-    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+    return full_tensors(model.parameters())
 
 
 @pytest.mark.parametrize(

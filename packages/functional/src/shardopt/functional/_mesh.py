@@ -1,16 +1,27 @@
-"""Device meshes as process groups: flat sharding over a 1-D mesh, hybrid over a 2-D one."""
+"""Device meshes as process groups (flat sharding over a 1-D mesh, hybrid over a 2-D one) and
+tensor-parallel DTensor parameters."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardopt.core.blocks import PyTree, local_tensor, tree_leaves
+from shardopt.functional._clip import TensorParallel
 from shardopt.functional._collectives import ProcessGroup
+from shardopt.functional._layout import FlatLayout
 
-__all__ = ["HYBRID_DIMS", "MeshGroups", "mesh_groups"]
+__all__ = [
+    "HYBRID_DIMS",
+    "MeshGroups",
+    "local_tensors",
+    "mesh_groups",
+    "tensor_parallel",
+]
 
 HYBRID_DIMS = ("replicate", "shard")
 
@@ -66,3 +77,41 @@ def mesh_groups(api: str, group: Any) -> MeshGroups:
         f"{api}: expected a process group, a 1-D DeviceMesh or a 2-D one with dims "
         f"{HYBRID_DIMS}, got a {group.ndim}-D mesh with dims {names}"
     )
+
+
+# [Note: DTensor parameters]
+# A DTensor parameter (tensor parallelism: ``parallelize_module`` over another mesh dim) is
+# planned, sharded, reduced and updated by its local tensor (core's ``local_tensor``: the
+# DTensor's own storage), over the data-parallel group given to ``shard``: init re-points that
+# local tensor into the flat buffer, gradients are read as the local tensors of the DTensor
+# gradients (the parameter keeps its ``.grad``; DTensor's autograd already made a replicated
+# parameter's gradient equal on its tensor-parallel ranks), and the elementwise update of a local
+# shard is the update of that part of the full tensor. The one thing that is not elementwise, the
+# norm of ``max_norm`` and ``skip_nonfinite``, sums the squares of tensor-parallel parts over
+# their group too ([Note: tensor-parallel norms]).
+
+
+def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel | None:
+    """Which of the layout's pieces belong to DTensors sharded over a tensor-parallel group,
+    and that group; None without any (see [Note: tensor-parallel norms])."""
+    groups, flags = set(), []
+    for p in params:
+        mesh: Any = getattr(p, "device_mesh", None)
+        cut = mesh is not None and any(pl.is_shard() for pl in p.placements)
+        if cut:
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"shard: expected DTensor parameters on 1-D meshes, got one on {mesh}"
+                )
+            groups.add(mesh.get_group())
+        flags.append(cut)
+    if len(groups) > 1:
+        raise ValueError("shard: expected the DTensor parameters on one tensor-parallel mesh")
+    if not groups:
+        return None
+    return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in layout.pieces))
+
+
+def local_tensors(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree``, a DTensor as its local tensor ([Note: DTensor parameters])."""
+    return [x if x is None else local_tensor(x) for x in tree_leaves(tree)]

@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
-from shardopt.core.blocks import PyTree, local_tensor, needs_whole_tensors, tree_leaves
+from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves
 from shardopt.functional._clip import (
     Health,
-    TensorParallel,
     clip_coefficient,
     global_health,
     scale_grads,
@@ -22,7 +21,7 @@ from shardopt.functional._clip import (
 from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer
 from shardopt.functional._layout import FlatLayout, build_layout
-from shardopt.functional._mesh import MeshGroups, mesh_groups
+from shardopt.functional._mesh import MeshGroups, local_tensors, mesh_groups, tensor_parallel
 from shardopt.functional._state import (
     ShardedState,
     StepStats,
@@ -201,7 +200,7 @@ def shard(
     groups = mesh_groups("shard", group)
 
     def init(params: PyTree) -> ShardedState:
-        state = _init(tx, plan, opts, groups, _locals(params))
+        state = _init(tx, plan, opts, groups, local_tensors(params))
         state.layout.tensor_parallel = tensor_parallel(tree_leaves(params), state.layout)
         return state
 
@@ -265,39 +264,6 @@ def _init(
     return ShardedState(inner, fields, layout, master, reducer, None)
 
 
-# [Note: DTensor parameters]
-# A DTensor parameter (tensor parallelism: ``parallelize_module`` over another mesh dim) is
-# planned, sharded, reduced and updated by its local tensor (core's ``local_tensor``: the
-# DTensor's own storage), over the data-parallel group given to ``shard``: init re-points that
-# local tensor into the flat buffer, gradients are read as the local tensors of the DTensor
-# gradients (the parameter keeps its ``.grad``; DTensor's autograd already made a replicated
-# parameter's gradient equal on its tensor-parallel ranks), and the elementwise update of a local
-# shard is the update of that part of the full tensor. The one thing that is not elementwise, the
-# norm of ``max_norm`` and ``skip_nonfinite``, sums the squares of tensor-parallel parts over
-# their group too ([Note: tensor-parallel norms]).
-
-
-def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel | None:
-    """Which of the layout's pieces belong to DTensors sharded over a tensor-parallel group,
-    and that group; None without any (see [Note: tensor-parallel norms])."""
-    groups, flags = set(), []
-    for p in params:
-        mesh: Any = getattr(p, "device_mesh", None)
-        cut = mesh is not None and any(pl.is_shard() for pl in p.placements)
-        if cut:
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"shard: expected DTensor parameters on 1-D meshes, got one on {mesh}"
-                )
-            groups.add(mesh.get_group())
-        flags.append(cut)
-    if len(groups) > 1:
-        raise ValueError("shard: expected the DTensor parameters on one tensor-parallel mesh")
-    if not groups:
-        return None
-    return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in layout.pieces))
-
-
 # [Note: whole matrices]
 # Muon and Adafactor (core's [Note: whole tensors]) step whole matrices, so they are sharded by a
 # greedy plan, whose pieces are whole tensors (``plan_partition(..., strategy="greedy",
@@ -313,13 +279,8 @@ def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
     return [v if v is None else v.view(shape) for v, shape in zip(views, shapes)]
 
 
-def _locals(tree: PyTree) -> list[Any]:
-    """The leaves of ``tree``, a DTensor as its local tensor ([Note: DTensor parameters])."""
-    return [x if x is None else local_tensor(x) for x in tree_leaves(tree)]
-
-
 def _grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:
-    return _locals([p.grad for p in params] if grads is None else grads)
+    return local_tensors([p.grad for p in params] if grads is None else grads)
 
 
 def _step(
@@ -331,7 +292,7 @@ def _step(
     state: ShardedState,
 ) -> ShardedState:
     layout: FlatLayout = state.layout
-    problem = layout.check_views(_locals(params))
+    problem = layout.check_views(local_tensors(params))
     if problem is not None:
         raise ValueError(f"shard: expected {problem}")
     layout.wait_params()  # the update writes the shards the last gathers send
@@ -392,7 +353,7 @@ def _reduced_grads(
     error = None
     if not hooked:
         full = _grads_of(params, grads)
-        error = check_grads(_locals(params), full)
+        error = check_grads(local_tensors(params), full)
         if error is not None:
             if not opts.needs_health:
                 raise ValueError(f"shard: expected {error}")
