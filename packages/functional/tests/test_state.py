@@ -96,3 +96,71 @@ def test_chained_states_have_paths_that_name_their_place():
     tx = chain(sgd(0.1, momentum=0.9), adam())
     paths = sorted(probe_fields(tx, probes(layout)))
     assert all(p.startswith(("[0]", "[1]")) for p in paths)
+
+
+# bfloat16 optimizer state under shard (core's with_state_dtype): half the bytes, same training.
+STATE_STEPS = 12
+
+
+def bf16_state_run(rank: int, world: int, stage: int, state_dtype: torch.dtype | None) -> tuple:
+    """Equal gradients on every rank; the parameters after the steps and the field bytes."""
+    from torch import nn
+
+    from shardopt.core import adamw, with_state_dtype
+    from shardopt.functional import register_grad_hooks, shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    params = list(model.parameters())
+    tx = adamw(lr=0.01) if state_dtype is None else with_state_dtype(adamw(lr=0.01), state_dtype)
+    sharded = shard(tx, plan_partition(params, world, bucket_numel=64), stage=stage)
+    state = sharded.init(params)
+    if stage == 2:
+        register_grad_hooks(params, state)
+    for step in range(STATE_STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    moments = [f for f in state.fields if f.kind is FieldKind.ELEMENTWISE]
+    dtypes = {b.dtype for f in moments for b in f.buffers}
+    return (
+        [p.detach().clone() for p in params],
+        sum(b.nbytes for f in moments for b in f.buffers),
+        dtypes,
+    )
+
+
+def torch_adamw_rounded(dtype: torch.dtype) -> list[torch.Tensor]:
+    """torch.optim.AdamW on one process, its moments rounded to ``dtype`` after every step."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(STATE_STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for s in opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                s[key].copy_(s[key].to(dtype))
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("world", "stage"), [(1, 1), (2, 1), (2, 2), (3, 2), (4, 1), (4, 2)])
+def test_bfloat16_state_holds_half_the_bytes_and_trains_as_torch_with_rounded_state(
+    run_world, world, stage
+):
+    expected = torch_adamw_rounded(torch.bfloat16)
+    narrow = run_world(bf16_state_run, world, stage, torch.bfloat16)
+    wide = run_world(bf16_state_run, world, stage, None)
+    for (params, nbytes, dtypes), (_, wide_bytes, wide_dtypes) in zip(narrow, wide):
+        assert dtypes == {torch.bfloat16}
+        assert wide_dtypes == {torch.float32}
+        assert 2 * nbytes == wide_bytes
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-4, atol=1e-5)

@@ -18,25 +18,28 @@ from shardopt.cli._cli_measure import count_collectives, measure_ddp, measure_sh
 from shardopt.cli._cli_models import PRESETS
 from shardopt.cli._plan_cli_predict import DDP, predict
 from shardopt.cli._plan_cli_source import load_params, params_of
-from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition
+from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition, with_state_dtype
 from shardopt.functional import RankBytes, Traffic, register_grad_hooks, shard
 from shardopt.testing import spawn
 
-# (stage, strategy, master dtype, bucket_numel, algorithm, grads_averaged): every kind of group,
-# bucket, staging and collective. bucket_numel counts all ranks: 8 and 16 cut every group into
-# several buckets (greedy ones with unequal shards), None makes one bucket per group.
+# (stage, strategy, master dtype, bucket_numel, algorithm, grads_averaged, state dtype): every kind
+# of group, bucket, staging and collective, and bfloat16 state beside float32 and bfloat16 params
+# and float32 masters. bucket_numel counts all ranks: 8 and 16 cut every group into several
+# buckets (greedy ones with unequal shards), None makes one bucket per group.
+BF16 = torch.bfloat16
 CONFIGS = [
-    (DDP, "flat", None, None, "collective", True),
-    (1, "flat", None, None, "collective", True),
-    (1, "greedy", None, 8, "collective", True),
-    (1, "flat", torch.float32, 16, "exchange", False),
-    (1, "greedy", None, 8, "exchange", False),
-    (1, "flat", None, 8, "collective", False),
-    (2, "flat", None, 16, "collective", False),
-    (2, "greedy", None, None, "exchange", False),
-    (2, "greedy", None, 8, "collective", False),
-    (2, "flat", torch.float32, 8, "collective", False),
-    (2, "flat", None, 8, "exchange", False),
+    (DDP, "flat", None, None, "collective", True, None),
+    (1, "flat", None, None, "collective", True, None),
+    (1, "greedy", None, 8, "collective", True, BF16),
+    (1, "flat", torch.float32, 16, "exchange", False, None),
+    (1, "greedy", None, 8, "exchange", False, None),
+    (1, "flat", None, 8, "collective", False, BF16),
+    (2, "flat", None, 16, "collective", False, None),
+    (2, "greedy", None, None, "exchange", False, None),
+    (2, "greedy", None, 8, "collective", False, None),
+    (2, "flat", torch.float32, 8, "collective", False, None),
+    (2, "flat", torch.float32, 8, "exchange", False, BF16),
+    (2, "flat", None, 8, "exchange", False, None),
 ]
 
 
@@ -63,7 +66,7 @@ def backward(model: nn.Module, rank: int) -> None:
 
 def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankBytes, Traffic, list]:
     """Two steps of ``config``; the bytes held after them and the collectives of the second."""
-    stage, strategy, master, bucket, algorithm, averaged = config
+    stage, strategy, master, bucket, algorithm, averaged, state_dtype = config
     torch.manual_seed(0)
     model = MixedNet()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -79,8 +82,9 @@ def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankByte
             opt.step()
         return measure_ddp(model.parameters(), opt), traffic_of(log), log.others()
     plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket)
+    tx = adamw() if state_dtype is None else with_state_dtype(adamw(), state_dtype)
     sharded = shard(
-        adamw(),
+        tx,
         plan,
         stage=stage,
         grads_averaged=averaged,
@@ -111,19 +115,21 @@ def run_all(rank: int, world: int) -> list[tuple[RankBytes, Traffic, list]]:
 def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
     results = spawn(run_all, world, backend="gloo", timeout=120.0)
     params = params_of(MixedNet())
-    for (stage, strategy, master, bucket, algorithm, averaged), *per_rank in zip(CONFIGS, *results):
+    for config, *per_rank in zip(CONFIGS, *results):
+        stage, strategy, master, bucket, algorithm, averaged, state_dtype = config
         p = predict(
             params,
             world,
             stage,
             strategy=strategy,
             master_dtype=master,
+            state_dtype=state_dtype,
             bucket_numel=bucket,
             algorithm=algorithm,
             grads_averaged=averaged and stage != DDP,
         )
         for rank, (held, traffic, others) in enumerate(per_rank):
-            where = f"{p.label} master={master} bucket={bucket} {algorithm} {averaged} rank {rank}"
+            where = f"{p.label} {config} rank {rank}"
             assert held == p.ranks[rank], where
             assert traffic == p.traffic, where
             assert others == [], where
@@ -186,6 +192,23 @@ def test_plan_json_holds_the_exact_bytes(capsys):
     assert entry["max_rank_total"] == max(r.total for r in expected.ranks)
     assert entry["traffic"]["all_gather_bytes"] == expected.traffic.all_gather
     assert data["parameters"] == 124_439_808
+
+
+def test_bfloat16_state_halves_the_moments_of_the_shardopt_rows_only(capsys):
+    argv = ["plan", "gpt2-small", "-w", "4", "--stage", "0", "2", "--strategy", "flat", "--json"]
+    results = []
+    for extra in ([], ["--state-dtype", "bfloat16"]):
+        assert main(argv + extra) == 0
+        results.append(json.loads(capsys.readouterr().out)["results"])
+    (ddp, wide), (ddp_again, narrow) = results
+    assert ddp == ddp_again  # torch.optim's state: not ours to narrow
+    # wide: 2 float32 moments per element of the 1/4 shard + a float32 count per piece; narrow:
+    # the same moments in bfloat16, 2 bytes each saved
+    saved = wide["max_rank_bytes"]["optimizer"] - narrow["max_rank_bytes"]["optimizer"]
+    counts = narrow["max_rank_bytes"]["optimizer"] - saved
+    assert saved == 2 * 2 * (124_439_808 // 4)
+    assert 0 < counts < 4 * 2 * 148
+    assert counts % 4 == 0
 
 
 def test_plan_reads_a_json_of_shapes_and_a_factory(tmp_path, capsys):

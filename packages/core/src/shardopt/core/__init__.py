@@ -41,6 +41,7 @@ from shardopt.core._plan import (
     TensorSpec,
     plan_partition,
 )
+from shardopt.core._precision import with_state_dtype
 from shardopt.core._radam import ScaleByRadamState, radam
 from shardopt.core._rmsprop import ScaleByRmsState, rmsprop
 from shardopt.core._rprop import ScaleByRpropState, rprop, scale_by_rprop
@@ -131,4 +132,5 @@ __all__ = [
     "trace",
     "update_flat_",
     "warmup_cosine_decay",
+    "with_state_dtype",
 ]

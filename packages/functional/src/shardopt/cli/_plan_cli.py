@@ -72,6 +72,7 @@ def plan_report(
     stages: Sequence[int] = (0, 1, 2),
     strategies: Sequence[str] = ("flat", "greedy"),
     master_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype | None = None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     algorithm: str = "collective",
     meshes: Sequence[tuple[int, int]] = (),
@@ -96,6 +97,7 @@ def plan_report(
             stage,
             strategy=strategy,
             master_dtype=master_dtype,
+            state_dtype=state_dtype,
             bucket_numel=bucket_numel,
             algorithm=algorithm,
             replicas=r,
@@ -186,6 +188,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Runs ``shardopt plan`` with parsed ``args``; prints the table or the JSON."""
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     master = None if args.master_dtype is None else getattr(torch, args.master_dtype)
+    state = None if args.state_dtype is None else getattr(torch, args.state_dtype)
     if args.bucket_numel < 0:
         raise ValueError(
             f"plan: expected --bucket-numel >= 0 (0: one bucket per group), got {args.bucket_numel}"
@@ -198,6 +201,7 @@ def run_plan(args: argparse.Namespace) -> int:
         stages=args.stage,
         strategies=args.strategy,
         master_dtype=master,
+        state_dtype=state,
         bucket_numel=bucket,
         algorithm=args.algorithm,
         meshes=args.mesh,
@@ -210,7 +214,9 @@ def run_plan(args: argparse.Namespace) -> int:
     dtypes = ", ".join(sorted({p.spec.dtype for p in params}))
     title = (
         f"{args.source}: {len(params)} tensors, {total:,} parameters ({trainable:,} trainable), "
-        f"{dtypes}" + (f", {args.master_dtype} master weights" if master else "")
+        f"{dtypes}"
+        + (f", {args.master_dtype} master weights" if master else "")
+        + (f", {args.state_dtype} optimizer state (shardopt rows)" if state else "")
     )
     print(render_table(title, predictions, args.algorithm))
     return 0
@@ -280,6 +286,12 @@ def _add_dtype_options(p: argparse.ArgumentParser) -> None:
         "--master-dtype",
         choices=_DTYPES,
         help="master weights and optimizer state dtype for lower-precision params",
+    )
+    p.add_argument(
+        "--state-dtype",
+        choices=_DTYPES,
+        help="optimizer state dtype of the shardopt rows (core's with_state_dtype), e.g. "
+        "bfloat16 moments beside float32 parameters or masters",
     )
     p.add_argument(
         "--bucket-numel",

@@ -100,6 +100,7 @@ def predict(
     *,
     strategy: str = "flat",
     master_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype | None = None,
     bucket_numel: int | None = None,
     align: int | None = None,
     algorithm: str = "collective",
@@ -111,7 +112,9 @@ def predict(
 
     ``strategy``, ``align`` and ``bucket_numel`` are ``plan_partition``'s (ignored for DDP);
     ``master_dtype``, ``grads_averaged`` and ``algorithm`` (``"collective"`` or ``"exchange"``,
-    not ``"auto"``) ``shard``'s. ``replicas > 1``: hybrid sharding over a mesh of ``replicas`` x
+    not ``"auto"``) ``shard``'s; ``state_dtype`` that of the moments under core's
+    ``with_state_dtype`` (sharded rows only: DDP's torch.optim keeps them in the parameters' or
+    master dtype). ``replicas > 1``: hybrid sharding over a mesh of ``replicas`` x
     ``world_size`` ranks (shardopt.functional's [Note: hybrid sharding]); ``traffic`` is then
     that of the "shard" groups and ``replica_sent`` what a rank sends to the other replicas.
 
@@ -140,6 +143,7 @@ def predict(
         stage=stage,
         grads_averaged=grads_averaged,
         master_dtype=master_dtype,
+        state_dtype=state_dtype,
         algorithm=algorithm,
         frozen_bytes=sum(p.spec.nbytes for p in params if not p.trainable),
     )

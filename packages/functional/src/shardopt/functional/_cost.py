@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,8 +23,8 @@ __all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
 #   plus the compact gradient shards (``shard_numels[rank]`` elements per group, in
 #   ``reduce_dtype`` or the group's dtype) where gradients are reduced (stage 2; stage 1 unless
 #   ``grads_averaged``);
-# - optimizer: two moments per compact shard element (in the master dtype where set) and one
-#   float32 count per piece;
+# - optimizer: two moments per compact shard element (in ``state_dtype`` where set, core's
+#   ``with_state_dtype``; else in the master dtype where set) and one float32 count per piece;
 # - master: the compact master shards of the lower-precision groups;
 # - buffers: the gradient staging (``staging_numel`` per group, the all-to-all's scratch
 #   included under EXCHANGE) where gradients are reduced.
@@ -112,13 +112,15 @@ def layout_cost(
     grads_averaged: bool = False,
     master_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    state_dtype: torch.dtype | None = None,
     algorithm: Algorithm | str = Algorithm.COLLECTIVE,
     frozen_bytes: int = 0,
 ) -> tuple[tuple[RankBytes, ...], Traffic]:
     """Per rank, the bytes held by ``shard(adam, plan, stage=..., ...)``; per step, its traffic.
 
     ``algorithm`` is the concrete one (``"collective"`` or ``"exchange"``, as ``"auto"``
-    resolves on the ranks' backend). See [Note: cost of a layout].
+    resolves on the ranks' backend); ``state_dtype`` that of Adam's moments under core's
+    ``with_state_dtype`` (None: the master's, else the parameters'). See [Note: cost of a layout].
 
     Example:
         >>> from shardopt.core import plan_partition
@@ -140,9 +142,11 @@ def layout_cost(
     full_grads = sum(t.nbytes for t in plan.tensors) if stage == 1 else 0
     staging = [staging_numel(plan, g, algo) for g in range(len(plan.groups))] if reduces else None
     ranks = tuple(
-        _rank_bytes(plan, r, pieces, staging, master_dtype, reduce_dtype, full_grads, frozen_bytes)
+        _rank_bytes(plan, r, pieces, staging, (master_dtype, reduce_dtype, state_dtype), full_grads)
         for r in range(plan.world_size)
     )
+    if frozen_bytes:
+        ranks = tuple(replace(r, params=r.params + frozen_bytes) for r in ranks)
     return ranks, _traffic(plan, reduces, reduce_dtype, algo)
 
 
@@ -151,19 +155,19 @@ def _rank_bytes(
     rank: int,
     pieces: list[list[int]],
     staging: list[int] | None,
-    master_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
+    dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None],
     full_grads: int,
-    frozen_bytes: int,
 ) -> RankBytes:
-    params, grads, optimizer, master, buffers = frozen_bytes, full_grads, 0, 0, 0
+    master_dtype, reduce_dtype, state_dtype = dtypes
+    params, grads, optimizer, master, buffers = 0, full_grads, 0, 0, 0
     for g, group in enumerate(plan.groups):
         size = itemsize(group.dtype)
         shard = group.shard_numels[rank]
         m = _master_dtype(group.dtype, master_dtype)
         reduce_size = reduce_dtype.itemsize if reduce_dtype is not None else size
+        moment = state_dtype or m or getattr(torch, group.dtype)
         params += group.numel * size
-        optimizer += 2 * shard * (m.itemsize if m is not None else size) + 4 * pieces[g][rank]
+        optimizer += 2 * shard * moment.itemsize + 4 * pieces[g][rank]  # mu, nu; the counts
         master += shard * m.itemsize if m is not None else 0
         if staging is not None:  # gradients are reduced
             grads += shard * reduce_size
