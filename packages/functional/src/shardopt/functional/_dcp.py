@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -15,8 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 
-from shardopt.core import Piece, Plan
+from shardopt.core import Plan
 from shardopt.functional._checkpoint_keys import (
     FieldKeys,
     field_keys,
@@ -27,13 +27,14 @@ from shardopt.functional._checkpoint_keys import (
     sanitised_key,
 )
 from shardopt.functional._collectives import ProcessGroup, comm_device
-from shardopt.functional._dcp_pieces import LocalBoxes, boxes
+from shardopt.functional._dcp_pieces import piece_tensor
 from shardopt.functional._hyperparams import (
     checked_hyperparams,
     hyperparam_placeholders,
     saved_hyperparams,
     write_hyperparams,
 )
+from shardopt.functional._mesh import mesh_groups
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional._validate import agree_across_ranks, fingerprint
@@ -71,17 +72,6 @@ HYPERPARAMS = f"{OPTIM_KEY}.hyperparams."  # [Note: hyperparameters of a sharded
 # broadcasts whether the publish succeeded, so every rank returns or raises alike.
 
 
-def _piece_tensor(shape: tuple[int, ...], piece: Piece, flat: torch.Tensor) -> torch.Tensor:
-    """The piece's values (``flat``: its run of elements) as a full-shape checkpoint tensor."""
-    if piece.numel == math.prod(shape):
-        return flat.view(shape)
-    parts = [
-        (o, flat[f - piece.start : f - piece.start + math.prod(s)].view(s))
-        for o, s, f in boxes(shape, piece.start, piece.stop)
-    ]
-    return LocalBoxes(shape, parts)
-
-
 def _optim_dict(
     state: ShardedState,
     keys: FieldKeys,
@@ -93,14 +83,15 @@ def _optim_dict(
     tensor}, "replicated": {path: tensor}}`` for the tensors ``present(t, k)`` says."""
     layout, plan = state.layout, state.layout.plan
     slots = piece_slots(layout)
+    places = layout.global_places or (None,) * len(plan.tensors)
     entries: dict[str, dict[str, torch.Tensor]] = {}
     master_weights: dict[str, torch.Tensor] = {}
     for k, piece in enumerate(layout.pieces):
-        t, shape = piece.tensor, plan.tensors[piece.tensor].shape
+        t, shape, place = piece.tensor, plan.tensors[piece.tensor].shape, places[piece.tensor]
         master = state.master[piece.group]
         if master is not None and masters(t):
             flat = master[piece.offset : piece.offset + piece.numel]
-            master_weights[names[t]] = _piece_tensor(shape, piece, flat)
+            master_weights[names[t]] = piece_tensor(shape, piece, flat, place)
         if not present(t, k):
             continue
         entry = entries.setdefault(names[t], {})
@@ -108,19 +99,32 @@ def _optim_dict(
             if field.kind is FieldKind.PER_PIECE:
                 entry[key] = piece_value(field, layout, k, slots)
             else:
-                entry[key] = _piece_tensor(shape, piece, piece_value(field, layout, k, slots))
+                entry[key] = piece_tensor(shape, piece, piece_value(field, layout, k, slots), place)
     replicated = {sanitised_key(path): x for path, x, _ in outside_tensors(state)}
     return {"state": entries, "master_weights": master_weights, "replicated": replicated}
 
 
-def _common_checks(state: ShardedState, extra: Any) -> str | None:
-    layout = state.layout
-    if getattr(layout, "tensor_parallel", None) is not None or getattr(layout, "replicate", None):
-        return (
-            "a state without tensor-parallel (DTensor) parameters or replicas: checkpoints do "
-            "not carry tensor-parallel placements nor hybrid meshes yet (save "
-            "sharded_state_dict(state) on every rank instead)"
+def _checkpoint_group(api: str, state: ShardedState, group: Any) -> ProcessGroup:
+    """The group that saves or loads ``state``: the default group for tensor-parallel and hybrid
+    states ([Note: tensor-parallel checkpoints]). Raises ValueError, on every calling rank alike
+    and before any collective, if their ranks do not span the world."""
+    layout, shard_group = state.layout, mesh_groups(api, group).shard
+    if layout.global_places is None and layout.replicate is None:
+        return shard_group
+    replicas = 1 if layout.replicate is None else dist.get_world_size(layout.replicate)
+    split = layout.tensor_parallel
+    tp = 1 if split is None else dist.get_world_size(split.group)
+    spans = dist.get_world_size(shard_group) * replicas * tp
+    if spans != dist.get_world_size():  # the same on every calling rank: no collective needed
+        raise ValueError(
+            f"{api}: expected a tensor-parallel or hybrid state whose ranks span the world "
+            f"(all {dist.get_world_size()} ranks save and load it together), got "
+            f"{spans} ranks (data-parallel x replicas x tensor-parallel)"
         )
+    return dist.group.WORLD
+
+
+def _common_checks(state: ShardedState, extra: Any) -> str | None:
     per_piece = [path for path, _, replicated in outside_tensors(state) if not replicated]
     if per_piece:
         return f"every per-parameter tensor of the state in a field, got others at {per_piece}"
@@ -185,7 +189,7 @@ def save_checkpoint(
     names: Sequence[str] | None = None,
     param_groups: Hyperparams = None,
     extra: Mapping[str, Any] | None = None,
-    group: ProcessGroup = None,
+    group: ProcessGroup | DeviceMesh = None,
     overwrite: bool = False,
     writer: Callable[[str], StorageWriter] | None = None,
 ) -> None:
@@ -205,7 +209,9 @@ def save_checkpoint(
         param_groups: hyperparameters recorded in ``optim.param_groups`` (as in
             :func:`consolidate_state_dict`); not needed to load.
         extra: more DCP state (e.g. ``{"model": model.state_dict()}``) saved alongside.
-        group: the process group of the sharded optimizer.
+        group: the process group (or DeviceMesh) of the sharded optimizer; a state with
+            tensor-parallel parameters or replicas is saved by every rank of the default
+            group (see [Note: tensor-parallel checkpoints]).
         overwrite: replace an existing checkpoint at ``path`` (else it is an error).
         writer: makes the storage writer for a directory (default ``FileSystemWriter``).
 
@@ -228,6 +234,7 @@ def save_checkpoint(
     """
     api = "save_checkpoint"
     state.layout.wait_params()  # [Note: deferred parameter sync]
+    group = _checkpoint_group(api, state, group)
     plan, rank = state.layout.plan, dist.get_rank(group)
     keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
@@ -280,6 +287,7 @@ def _check_metadata(
     """(the first problem of the checkpoint for ``state``, whether each tensor has state in it,
     whether it has master weights); the same on every rank (plan and file are)."""
     plan: Plan = state.layout.plan
+    places = state.layout.global_places or (None,) * len(plan.tensors)
     saved = md.state_dict_metadata
     prefix = f"{OPTIM_KEY}.state."
     expected = {f"{prefix}{n}.{key}" for n in names for _, key, _ in keys.entries}
@@ -296,7 +304,8 @@ def _check_metadata(
             want = [key for _, key, _ in keys.entries]
             return f"keys {want} for parameter {names[t]!r}, got {have}", [], []
         for field, key, _ in keys.entries if have else ():
-            shape = torch.Size(() if field.kind is FieldKind.PER_PIECE else spec.shape)
+            full = spec.shape if places[t] is None else places[t].shape  # type: ignore[union-attr]
+            shape = torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
             item = saved[base + key]
             if not isinstance(item, TensorStorageMetadata) or item.size != shape:
                 got = getattr(item, "size", type(item).__name__)
@@ -313,7 +322,7 @@ def load_checkpoint(
     *,
     names: Sequence[str] | None = None,
     extra: MutableMapping[str, Any] | None = None,
-    group: ProcessGroup = None,
+    group: ProcessGroup | DeviceMesh = None,
 ) -> None:
     """Loads a :func:`save_checkpoint` directory into ``state`` in place, at any world size or plan.
 
@@ -332,6 +341,7 @@ def load_checkpoint(
     api = "load_checkpoint"
     layout, plan = state.layout, state.layout.plan
     layout.wait_params()  # [Note: deferred parameter sync]
+    group = _checkpoint_group(api, state, group)
     keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
     asked = os.path.abspath(os.fspath(path))

@@ -14,7 +14,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["Box", "LocalBoxes", "boxes"]
+from shardopt.core import Piece
+from shardopt.functional._mesh import GlobalPlace
+
+__all__ = ["Box", "LocalBoxes", "boxes", "piece_tensor"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start)
 
@@ -129,3 +132,35 @@ class LocalBoxes(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"LocalBoxes(shape={tuple(self.shape)}, boxes={len(self._parts)})"
+
+
+# [Note: tensor-parallel checkpoints]
+# A DTensor parameter is planned by its local tensor ([Note: DTensor parameters]), so a piece's
+# boxes ([Note: DCP pieces]) are boxes of the local tensor. The checkpoint stores the full tensor
+# instead: each box moves by the local tensor's offset in it (``GlobalPlace``, DTensor's own
+# ``__create_chunk_list__``), and the entry has the full shape. Every rank of every
+# tensor-parallel group thus writes its own region of one tensor, and a later layout reads the
+# regions it needs by overlap, whatever its data-parallel size: (dp=2, tp=2) loads at (dp=1,
+# tp=2). Replicas (hybrid sharding) write the same boxes; DCP keeps one of each (it de-duplicates
+# write items by key and offset), so a hybrid 2x2 checkpoint is the checkpoint of a 1-D 4 with
+# the same plan over 2 ranks, and loads as any layout. Such states are saved and loaded by every
+# rank of the default group together (the data-parallel group alone does not hold every region),
+# so their mesh must span the world.
+
+
+def piece_tensor(
+    shape: tuple[int, ...], piece: Piece, flat: torch.Tensor, place: GlobalPlace | None
+) -> torch.Tensor:
+    """The piece's values (``flat``: its run of elements) as a full-shape checkpoint tensor (of
+    the full DTensor at ``place``: see [Note: tensor-parallel checkpoints])."""
+    if place is None and piece.numel == math.prod(shape):
+        return flat.view(shape)
+    at = place.offsets if place is not None else (0,) * len(shape)
+    parts = [
+        (
+            tuple(a + b for a, b in zip(at, o)),
+            flat[f - piece.start : f - piece.start + math.prod(s)].view(s),
+        )
+        for o, s, f in boxes(shape, piece.start, piece.stop)
+    ]
+    return LocalBoxes(shape if place is None else place.shape, parts)

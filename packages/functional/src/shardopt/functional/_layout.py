@@ -105,6 +105,7 @@ class FlatLayout:
         self.group, self.algorithm = group, Algorithm(algorithm)
         self.replicate = replicate  # the other replicas' group ([Note: hybrid sharding])
         self.tensor_parallel: Any = None  # set by shard: see [Note: tensor-parallel norms]
+        self.global_places: Any = None  # set by shard: see [Note: tensor-parallel checkpoints]
         self.reduce_dtype = reduce_dtype
         self.pieces = plan.pieces(rank)
         self._map_buckets()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -17,7 +18,9 @@ from shardopt.functional._layout import FlatLayout
 
 __all__ = [
     "HYBRID_DIMS",
+    "GlobalPlace",
     "MeshGroups",
+    "global_places",
     "local_tensors",
     "mesh_groups",
     "tensor_parallel",
@@ -110,6 +113,28 @@ def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel
     if not groups:
         return None
     return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in layout.pieces))
+
+
+class GlobalPlace(NamedTuple):
+    """Where a DTensor parameter's local tensor lies in the full tensor: the full ``shape`` and
+    the local tensor's ``offsets`` (see [Note: tensor-parallel checkpoints])."""
+
+    shape: torch.Size
+    offsets: torch.Size
+
+
+def global_places(params: Sequence[Any]) -> tuple[GlobalPlace | None, ...] | None:
+    """Per parameter, its :class:`GlobalPlace` if it is a DTensor whose local tensor is not the
+    whole tensor, else None; None if no parameter is such a DTensor."""
+    out: list[GlobalPlace | None] = []
+    for p in params:
+        local = local_tensor(p)
+        if local is p or local.shape == p.shape:
+            out.append(None)
+            continue
+        (chunk,) = p.__create_chunk_list__()  # DTensor's own answer, as DCP asks it
+        out.append(GlobalPlace(torch.Size(p.shape), torch.Size(chunk.offsets)))
+    return tuple(out) if any(x is not None for x in out) else None
 
 
 def local_tensors(tree: PyTree) -> list[Any]:

@@ -21,7 +21,13 @@ from shardopt.functional._clip import (
 from shardopt.functional._collectives import Algorithm, ProcessGroup
 from shardopt.functional._hooks import GradReducer
 from shardopt.functional._layout import FlatLayout, build_layout
-from shardopt.functional._mesh import MeshGroups, local_tensors, mesh_groups, tensor_parallel
+from shardopt.functional._mesh import (
+    MeshGroups,
+    global_places,
+    local_tensors,
+    mesh_groups,
+    tensor_parallel,
+)
 from shardopt.functional._state import (
     ShardedState,
     StepStats,
@@ -202,6 +208,7 @@ def shard(
     def init(params: PyTree) -> ShardedState:
         state = _init(tx, plan, opts, groups, local_tensors(params))
         state.layout.tensor_parallel = tensor_parallel(tree_leaves(params), state.layout)
+        state.layout.global_places = global_places(tree_leaves(params))
         return state
 
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
