@@ -246,7 +246,7 @@ def assert_same_checkpoints(a: str, b: str) -> None:
         assert torch.equal(value, second[key]), key
 
 
-def tensor_parallel_state(dp: int, steps: int) -> tuple[Any, list[str], Any]:
+def tensor_parallel_state(dp: int, steps: int, strategy: str) -> tuple[Any, list[str], Any]:
     """A (dp, tp=2) sharded AdamW state after ``steps`` steps, its names and the dp mesh."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -259,8 +259,9 @@ def tensor_parallel_state(dp: int, steps: int) -> tuple[Any, list[str], Any]:
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
-    plan = plan_partition([p.to_local() if isinstance(p, DTensor) else p for p in params], dp)
-    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=2)
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    plan = plan_partition(local, dp, strategy=strategy, bucket_numel=100)
+    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=2 if strategy == "flat" else 1)
     state = sharded.init(params)
     register_grad_hooks(params, state)
     for step in range(steps):
@@ -271,21 +272,26 @@ def tensor_parallel_state(dp: int, steps: int) -> tuple[Any, list[str], Any]:
     return state, names, mesh["dp"]
 
 
-def save_tensor_parallel(rank: int, world: int, path: str) -> None:
-    state, names, group = tensor_parallel_state(world // 2, 3)
+def save_tensor_parallel(rank: int, world: int, path: str, strategy: str) -> None:
+    state, names, group = tensor_parallel_state(world // 2, 3, strategy)
     save_checkpoint(state, path, names=names, group=group)
 
 
-def load_and_save_tensor_parallel(rank: int, world: int, source: str, path: str) -> None:
-    state, names, group = tensor_parallel_state(world // 2, 0)
+def load_and_save_tensor_parallel(
+    rank: int, world: int, source: str, path: str, strategy: str
+) -> None:
+    state, names, group = tensor_parallel_state(world // 2, 0, strategy)
     load_checkpoint(state, source, names=names, group=group)
     save_checkpoint(state, path, names=names, group=group)
 
 
-def test_a_tensor_parallel_checkpoint_of_dp2_tp2_loads_bitwise_at_dp1_tp2(run_world, tmp_path):
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])  # stage 2 flat, stage 1 greedy
+def test_a_tensor_parallel_checkpoint_of_dp2_tp2_loads_bitwise_at_dp1_tp2(
+    run_world, tmp_path, strategy
+):
     saved, again = str(tmp_path / "dp2"), str(tmp_path / "dp1")
-    run_world(save_tensor_parallel, 4, saved)
-    run_world(load_and_save_tensor_parallel, 2, saved, again)
+    run_world(save_tensor_parallel, 4, saved, strategy)
+    run_world(load_and_save_tensor_parallel, 2, saved, again, strategy)
     assert_same_checkpoints(saved, again)
     entries = read_checkpoint(saved)
     assert entries["optim.state.0.weight.exp_avg"].shape == (16, 6)  # the full tensor
