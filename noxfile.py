@@ -101,6 +101,8 @@ def bench(session: nox.Session) -> None:
         "bench_zero_step.py",
         "bench_zero_step_check.py",
         "bench_gloo_collectives.py",
+        "bench_iteration_floor.py",
+        "bench_state_dtype.py",
     ):
         session.run(python, f"benchmarks/{script}", env=env, external=True)
     shardopt = os.path.join(bin_dir, "shardopt")
