@@ -105,8 +105,8 @@ def full_batch_adamw(world: int, steps: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def tensor_parallel_mlp() -> tuple[Any, torch.nn.Module]:
-    """A (dp=2, tp=2) mesh and :func:`small_mlp` with its first two linears tensor-parallel over
+def tensor_parallel_mlp(dp: int = 2) -> tuple[Any, torch.nn.Module]:
+    """A (dp, tp=2) mesh and :func:`small_mlp` with its first two linears tensor-parallel over
     "tp" (column-, then row-wise): four DTensor parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -115,7 +115,7 @@ def tensor_parallel_mlp() -> tuple[Any, torch.nn.Module]:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
     model = small_mlp()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return mesh, model

@@ -248,24 +248,15 @@ def assert_same_checkpoints(a: str, b: str) -> None:
 
 def tensor_parallel_state(dp: int, steps: int, strategy: str) -> tuple[Any, list[str], Any]:
     """A (dp, tp=2) sharded AdamW state after ``steps`` steps, its names and the dp mesh."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
-    model = small_mlp()
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    mesh, model = tensor_parallel_mlp(dp)
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-    plan = plan_partition(local, dp, strategy=strategy, bucket_numel=100)
+    plan = plan_partition(params, dp, strategy=strategy, bucket_numel=100)
     sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=2 if strategy == "flat" else 1)
     state = sharded.init(params)
     register_grad_hooks(params, state)
     for step in range(steps):
-        x, y = mlp_batch(step, mesh.get_coordinate()[0])
+        x, y = mlp_batch(step, mesh.get_local_rank("dp"))
         nn.functional.mse_loss(model(x), y).backward()
         state = sharded.step(params, None, state)
         model.zero_grad()
@@ -340,8 +331,7 @@ def partial_mesh(rank: int, world: int, path: str) -> str:
     model = small_mlp()
     parallelize_module(model, tp, {"0": ColwiseParallel()})
     params = list(model.parameters())
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-    state = shard(adamw(), plan_partition(local, 1), group=alone).init(params)
+    state = shard(adamw(), plan_partition(params, 1), group=alone).init(params)
     try:
         save_checkpoint(state, path, group=alone)
     except ValueError as exc:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
 from shardopt.core import Transformation, adagrad, adam, chain, plan_partition, sgd
 from shardopt.functional._layout import build_layout
 from shardopt.functional._state import FieldKind, flatten_state, probe_fields, slice_state
+
+from _functional_helpers import mlp_batch, small_mlp
 
 
 def layout_for(world: int, rank: int, strategy: str = "flat", bucket_numel: int | None = None):
@@ -102,52 +107,51 @@ def test_chained_states_have_paths_that_name_their_place():
 STATE_STEPS = 12
 
 
-def bf16_state_run(rank: int, world: int, stage: int, state_dtype: torch.dtype | None) -> tuple:
-    """Equal gradients on every rank; the parameters after the steps and the field bytes."""
-    from torch import nn
+def train_steps(model: Any, step: Callable[[], None]) -> None:
+    """STATE_STEPS steps of ``step`` after a backward on :func:`mlp_batch`'s batch of rank 0 (the
+    same on every rank: equal gradients)."""
+    for i in range(STATE_STEPS):
+        x, y = mlp_batch(i, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        step()
+        model.zero_grad()
 
+
+def bf16_state_run(rank: int, world: int, stage: int, state_dtype: torch.dtype | None) -> tuple:
+    """The parameters after the steps, the moments' bytes and their dtypes."""
     from shardopt.core import adamw, with_state_dtype
     from shardopt.functional import register_grad_hooks, shard
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = small_mlp()
     params = list(model.parameters())
     tx = adamw(lr=0.01) if state_dtype is None else with_state_dtype(adamw(lr=0.01), state_dtype)
     sharded = shard(tx, plan_partition(params, world, bucket_numel=64), stage=stage)
-    state = sharded.init(params)
+    held = [sharded.init(params)]
     if stage == 2:
-        register_grad_hooks(params, state)
-    for step in range(STATE_STEPS):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-        nn.functional.mse_loss(model(x), y).backward()
-        state = sharded.step(params, None, state)
-        model.zero_grad()
-    moments = [f for f in state.fields if f.kind is FieldKind.ELEMENTWISE]
+        register_grad_hooks(params, held[0])
+
+    def step() -> None:
+        held[0] = sharded.step(params, None, held[0])
+
+    train_steps(model, step)
+    moments = [f for f in held[0].fields if f.kind is FieldKind.ELEMENTWISE]
     dtypes = {b.dtype for f in moments for b in f.buffers}
-    return (
-        [p.detach().clone() for p in params],
-        sum(b.nbytes for f in moments for b in f.buffers),
-        dtypes,
-    )
+    nbytes = sum(b.nbytes for f in moments for b in f.buffers)
+    return [p.detach().clone() for p in params], nbytes, dtypes
 
 
 def torch_adamw_rounded(dtype: torch.dtype) -> list[torch.Tensor]:
     """torch.optim.AdamW on one process, its moments rounded to ``dtype`` after every step."""
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = small_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for step in range(STATE_STEPS):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-        nn.functional.mse_loss(model(x), y).backward()
+
+    def step() -> None:
         opt.step()
-        opt.zero_grad()
         for s in opt.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 s[key].copy_(s[key].to(dtype))
+
+    train_steps(model, step)
     return [p.detach() for p in model.parameters()]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -139,14 +139,12 @@ def layout_cost(
         )
     reduces = not grads_averaged
     pieces = _pieces_per_rank(plan)
-    full_grads = sum(t.nbytes for t in plan.tensors) if stage == 1 else 0
+    held = (frozen_bytes, sum(t.nbytes for t in plan.tensors) if stage == 1 else 0)
     staging = [staging_numel(plan, g, algo) for g in range(len(plan.groups))] if reduces else None
     ranks = tuple(
-        _rank_bytes(plan, r, pieces, staging, (master_dtype, reduce_dtype, state_dtype), full_grads)
+        _rank_bytes(plan, r, pieces, staging, (master_dtype, reduce_dtype, state_dtype), held)
         for r in range(plan.world_size)
     )
-    if frozen_bytes:
-        ranks = tuple(replace(r, params=r.params + frozen_bytes) for r in ranks)
     return ranks, _traffic(plan, reduces, reduce_dtype, algo)
 
 
@@ -156,10 +154,12 @@ def _rank_bytes(
     pieces: list[list[int]],
     staging: list[int] | None,
     dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None],
-    full_grads: int,
+    held: tuple[int, int],
 ) -> RankBytes:
+    """``dtypes``: master, reduce and state dtypes; ``held``: the frozen parameters' bytes and
+    the full gradients' (stage 1)."""
     master_dtype, reduce_dtype, state_dtype = dtypes
-    params, grads, optimizer, master, buffers = 0, full_grads, 0, 0, 0
+    (params, grads), optimizer, master, buffers = held, 0, 0, 0
     for g, group in enumerate(plan.groups):
         size = itemsize(group.dtype)
         shard = group.shard_numels[rank]

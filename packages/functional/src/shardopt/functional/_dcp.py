@@ -34,7 +34,7 @@ from shardopt.functional._hyperparams import (
     saved_hyperparams,
     write_hyperparams,
 )
-from shardopt.functional._mesh import mesh_groups
+from shardopt.functional._mesh import GlobalPlace, mesh_groups
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional._validate import agree_across_ranks, fingerprint
@@ -72,6 +72,13 @@ HYPERPARAMS = f"{OPTIM_KEY}.hyperparams."  # [Note: hyperparameters of a sharded
 # broadcasts whether the publish succeeded, so every rank returns or raises alike.
 
 
+def _places(state: ShardedState) -> Sequence[GlobalPlace | None]:
+    """Each plan tensor's place in its full DTensor, or None (see [Note: tensor-parallel
+    checkpoints])."""
+    layout = state.layout
+    return layout.global_places or (None,) * len(layout.plan.tensors)
+
+
 def _optim_dict(
     state: ShardedState,
     keys: FieldKeys,
@@ -83,7 +90,7 @@ def _optim_dict(
     tensor}, "replicated": {path: tensor}}`` for the tensors ``present(t, k)`` says."""
     layout, plan = state.layout, state.layout.plan
     slots = piece_slots(layout)
-    places = layout.global_places or (None,) * len(plan.tensors)
+    places = _places(state)
     entries: dict[str, dict[str, torch.Tensor]] = {}
     master_weights: dict[str, torch.Tensor] = {}
     for k, piece in enumerate(layout.pieces):
@@ -287,7 +294,7 @@ def _check_metadata(
     """(the first problem of the checkpoint for ``state``, whether each tensor has state in it,
     whether it has master weights); the same on every rank (plan and file are)."""
     plan: Plan = state.layout.plan
-    places = state.layout.global_places or (None,) * len(plan.tensors)
+    places = _places(state)
     saved = md.state_dict_metadata
     prefix = f"{OPTIM_KEY}.state."
     expected = {f"{prefix}{n}.{key}" for n in names for _, key, _ in keys.entries}
@@ -304,7 +311,8 @@ def _check_metadata(
             want = [key for _, key, _ in keys.entries]
             return f"keys {want} for parameter {names[t]!r}, got {have}", [], []
         for field, key, _ in keys.entries if have else ():
-            full = spec.shape if places[t] is None else places[t].shape  # type: ignore[union-attr]
+            place = places[t]
+            full = spec.shape if place is None else place.shape
             shape = torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
             item = saved[base + key]
             if not isinstance(item, TensorStorageMetadata) or item.size != shape:
