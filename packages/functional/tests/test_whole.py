@@ -138,3 +138,131 @@ def test_muon_for_matrices_and_adamw_for_the_rest_matches_torchs_two_optimizers(
     for params in run_world(muon_and_adamw, 2):
         for p, e in zip(params, model.parameters()):
             torch.testing.assert_close(p, e.detach(), rtol=1e-5, atol=1e-6)
+
+
+# Checkpoints in torch's format ([Note: shaped state]): Muon on matrices; Adafactor on a model
+# with biases too (matrices keep row_var and col_var, vectors a variance).
+CHECKPOINTED = {
+    "muon": (matrices, torch.optim.Muon, muon, {"lr": 0.02}),
+    "adafactor": (with_biases, torch.optim.Adafactor, adafactor, {"lr": 0.01}),
+}
+HALF = STEPS // 2
+
+
+def model_batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(step, 0)
+    if name == "adafactor":  # with_biases takes 8 features and returns 4
+        x, y = torch.cat([x, x[:, :2]], 1), torch.cat([y, y[:, :1]], 1)
+    return x, y
+
+
+def torch_run(name: str, steps: range, sd: dict[str, Any] | None = None) -> Any:
+    """torch.optim's optimizer over ``steps`` (after loading ``sd`` if given): (params, opt)."""
+    make, cls, _, hyper = CHECKPOINTED[name]
+    model = make()
+    if sd is not None:  # the parameters after the first half, as the sharded run has them
+        for p, q in zip(model.parameters(), torch_run(name, range(HALF))[0]):
+            p.data.copy_(q)
+    opt = cls(list(model.parameters()), **hyper)
+    if sd is not None:
+        opt.load_state_dict(sd)
+    for step in steps:
+        nn.functional.mse_loss(
+            model(model_batch(name, step)[0]), model_batch(name, step)[1]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()], opt
+
+
+def checkpointed(rank: int, world: int, name: str, stage: int) -> Any:
+    """HALF steps sharded, consolidated on rank 0; then a fresh sharded state loaded from torch's
+    dict of the same HALF steps runs the rest: (consolidated dict or None, final params)."""
+    from shardopt.functional import consolidate_state_dict, load_torch_state_dict, torch_hyperparams
+
+    make, cls, factory, hyper = CHECKPOINTED[name]
+    out = []
+    for loaded in (False, True):
+        model = make()
+        params = list(model.parameters())
+        if loaded:
+            for p, q in zip(params, torch_run(name, range(HALF))[0]):
+                p.data.copy_(q)
+        plan = plan_partition(
+            params, world, strategy="greedy", cost=lambda t: newton_schulz_flops(t.shape)
+        )
+        sharded = shard(factory(**hyper), plan, stage=stage)
+        state = sharded.init(params)
+        if loaded:
+            load_torch_state_dict(state, torch_run(name, range(HALF))[1].state_dict())
+        if stage == 2:
+            register_grad_hooks(params, state)
+        for step in range(HALF, STEPS) if loaded else range(HALF):
+            x, y = model_batch(name, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            state = sharded.step(params, None, state)
+            model.zero_grad()
+        if loaded:
+            out.append([p.detach() for p in params])
+        else:
+            out.append(consolidate_state_dict(state, torch_hyperparams(cls, **hyper)))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTED))
+@pytest.mark.parametrize(("world", "stage"), [(1, 1), (2, 1), (2, 2), (3, 1), (4, 2)])
+def test_whole_matrix_state_consolidates_to_torchs_dict_and_loads_back(
+    run_world, name, world, stage
+):
+    expected = torch_run(name, range(HALF))[1].state_dict()
+    final = torch_run(name, range(STEPS))[0]
+    results = run_world(checkpointed, world, name, stage)
+    assert [sd is None for sd, _ in results] == [False] + [True] * (world - 1)
+    sd = results[0][0]
+    assert sd["param_groups"] == expected["param_groups"]
+    assert list(sd["state"]) == list(expected["state"])
+    for index, entry in expected["state"].items():
+        assert list(sd["state"][index]) == list(entry)  # torch's keys in torch's order
+        for key, value in entry.items():
+            torch.testing.assert_close(sd["state"][index][key], value, rtol=1e-5, atol=1e-6)
+    resumed = torch_run(name, range(HALF, STEPS), sd)[0]  # torch continues from our dict
+    for _, params in results:
+        for p, q, e in zip(params, resumed, final):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(q, e, rtol=1e-5, atol=1e-6)
+
+
+def dcp_run(rank: int, world: int, path: str, save: bool) -> list[torch.Tensor] | None:
+    """Adafactor, stage 2: the first HALF steps saved with DCP, or the rest after loading them
+    (the parameters from torch's run, as a model checkpoint would bring them)."""
+    from shardopt.functional import load_checkpoint, save_checkpoint
+
+    model = with_biases()
+    params = list(model.parameters())
+    if not save:
+        for p, q in zip(params, torch_run("adafactor", range(HALF))[0]):
+            p.data.copy_(q)
+    sharded = shard(adafactor(lr=0.01), plan_partition(params, world, strategy="greedy"), stage=2)
+    state = sharded.init(params)
+    if not save:
+        load_checkpoint(state, path)
+    register_grad_hooks(params, state)
+    for step in range(HALF) if save else range(HALF, STEPS):
+        x, y = model_batch("adafactor", step)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    if save:
+        save_checkpoint(state, path)
+        return None
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(4, 2), (1, 3)])
+def test_adafactors_factored_state_reshards_through_dcp(run_world, tmp_path, saved, loaded):
+    path = str(tmp_path / "ckpt")
+    run_world(dcp_run, saved, path, True)
+    final = torch_run("adafactor", range(STEPS))[0]
+    for params in run_world(dcp_run, loaded, path, False):
+        for p, e in zip(params, final):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)

@@ -130,6 +130,7 @@ def _local_run(cls: type, kwargs: dict[str, Any], steps: int) -> list[torch.Tens
 CASES: list[tuple[str, type, dict[str, Any], bool]] = [
     ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, True),
     ("adam", torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.99)}, True),
+    ("adafactor (whole tensors)", torch.optim.Adafactor, {"lr": 0.05}, True),
     ("user-defined", SignSGD, {"lr": 0.05}, False),
 ]
 
@@ -286,6 +287,8 @@ def test_concurrent_steps_from_two_callers_complete_serialised(
         (SignSGD, {"lr": 0.1}, None),
         (ExclusiveSGD, {"lr": 0.1}, None),
         (torch.optim.ASGD, {"lr": 0.1, "t0": 10.0}, "asgd"),
+        (torch.optim.Muon, {"lr": 0.02, "adjust_lr_fn": "match_rms_adamw"}, "muon"),
+        (torch.optim.Adafactor, {"lr": 0.01, "beta2_decay": -0.5, "foreach": True}, "adafactor"),
         (torch.optim.LBFGS, {"lr": 0.1}, None),
     ],
 )

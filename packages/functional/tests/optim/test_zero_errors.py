@@ -120,14 +120,14 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
             model().parameters(), SGDSubclass, lr=0.1, partition="flat"
         ),
         ValueError,
-        r"ZeroRedundancyOptimizer: partition='flat' needs an elementwise optimizer, got "
-        r"SGDSubclass",
+        r"ZeroRedundancyOptimizer: partition='flat' needs an optimizer with a shardopt.core "
+        r"form, got SGDSubclass",
     ),
     (
         "flat_with_lbfgs",
         lambda: ZeroRedundancyOptimizer(model().parameters(), torch.optim.LBFGS, partition="flat"),
         ValueError,
-        r"partition='flat' needs an elementwise optimizer, got LBFGS",
+        r"partition='flat' needs an optimizer with a shardopt.core form, got LBFGS",
     ),
     (
         "flat_without_a_core_form",

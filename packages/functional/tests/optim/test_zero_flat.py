@@ -285,3 +285,84 @@ def test_adamw_weight_decay_edited_to_and_from_zero_keeps_training_like_torch(
     assert len(now) == len(buffers)
     assert all(a is b for a, b in zip(now, buffers))
     assert ours.optim.units()[0].state.inner.hyperparams["weight_decay"] == 0.05
+
+
+# Muon and Adafactor need whole matrices: partition="flat" gives their groups a greedy plan of
+# whole parameters (Muon balanced by Newton-Schulz flops) on the same engine.
+WHOLE = {
+    "muon": (torch.optim.Muon, {"lr": 0.02, "weight_decay": 0.01}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 0.01, "weight_decay": 0.01}),
+}
+
+
+def matrix_model() -> torch.nn.Module:
+    """build_model without biases: torch.optim.Muon takes matrices only."""
+    torch.manual_seed(0)
+    layers = [
+        torch.nn.Linear(7, 13, bias=False),
+        torch.nn.Tanh(),
+        torch.nn.Linear(13, 5, bias=False),
+    ]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(5, 3, bias=False))
+
+
+def train_whole(world: World, name: str, steps: range, state: dict[str, Any] | None) -> Any:
+    """Ours and torch's side by side over ``steps`` (both loaded from ``state`` if given)."""
+    cls, kwargs = WHOLE[name]
+    make = matrix_model if name == "muon" else build_model
+    (ref_model, model), problems = (make(), make()), []
+    ref = cls(ref_model.parameters(), **kwargs)
+    ours = ZeroRedundancyOptimizer(model.parameters(), cls, partition="flat", **kwargs)
+    if state is not None:
+        for p, q in zip([*model.parameters(), *ref_model.parameters()], state["params"] * 2):
+            p.data.copy_(q)
+        ref.load_state_dict(state["torch"])
+        ours.load_state_dict(state["torch"])
+    for step in steps:
+        for m, o in ((ref_model, ref), (model, ours)):
+            o.zero_grad()
+            averaged_backward(m, step, world)
+            o.step()
+        for (pname, a), b in zip(model.named_parameters(), ref_model.parameters()):
+            problems += compare(a.detach(), b.detach(), f"{name} step {step} {pname}", False)
+    return model, ref_model, ref, ours, problems
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.world("n", backend="gloo", timeout=120)
+def test_muon_and_adafactor_match_torch_optim_with_torchs_state_dict(world: World, n: int) -> None:
+    """10 steps against torch.optim; the consolidated state dict is torch's (keys, order, shapes,
+    values) and ``optim.state`` shows it in the parameters' shapes; then both load torch's dict
+    and train 10 more steps alike."""
+    problems = []
+    for name in WHOLE:
+        _, ref_model, ref, ours, found = train_whole(world, name, range(10), None)
+        problems += found
+        (unit,) = ours.optim.units()
+        assert unit.plan.owners is not None  # a greedy plan: whole tensors
+        for piece, where in zip(unit.pieces, unit.state.layout.pieces):
+            trained = unit.params[where.tensor].requires_grad
+            assert (piece in ours.optim.state) == trained
+            if trained:  # torch's entry of the parameter, in its shapes
+                got = ours.optim.state[piece]
+                want = ref.state[list(ref_model.parameters())[where.tensor]]
+                assert piece.shape == unit.params[where.tensor].shape
+                assert [(k, v.shape) for k, v in got.items()] == [
+                    (k, v.shape) for k, v in want.items()
+                ]
+        ours.consolidate_state_dict(to=n - 1)
+        if world.rank == n - 1:
+            sd = ours.state_dict()
+            problems += compare(sd, ref.state_dict(), f"{name} state_dict", False)
+            for i, entry in ref.state_dict()["state"].items():
+                assert list(sd["state"][i]) == list(entry), (name, i)
+        saved = {"params": [p.detach().clone() for p in ref_model.parameters()]}
+        saved["torch"] = ref.state_dict()
+        problems += train_whole(world, name, range(10, STEPS), saved)[4]
+    assert not problems, problems[:5]
+
+
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_muon_refuses_a_vector_on_every_rank_before_sharding(world: World) -> None:
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: muon: expected 2-D param"):
+        ZeroRedundancyOptimizer(build_model().parameters(), torch.optim.Muon, partition="flat")

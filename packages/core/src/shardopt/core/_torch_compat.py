@@ -9,11 +9,13 @@ from typing import Any
 import torch
 
 from shardopt.core._adadelta import ScaleByAdadeltaState, adadelta
+from shardopt.core._adafactor import ScaleByAdafactorState, adafactor
 from shardopt.core._adagrad import ScaleByAdagradState, adagrad
 from shardopt.core._adam import ScaleByAdamState, adam, adamw
 from shardopt.core._adamax import ScaleByAdamaxState, adamax
 from shardopt.core._asgd import ScaleByAsgdState, asgd
 from shardopt.core._base import Transformation
+from shardopt.core._muon import ScaleByMuonState, muon
 from shardopt.core._nadam import ScaleByNadamState, nadam
 from shardopt.core._radam import ScaleByRadamState, radam
 from shardopt.core._rmsprop import ScaleByRmsState, rmsprop
@@ -33,7 +35,11 @@ __all__ = ["TORCH_COMPAT", "TorchCompat", "torch_compat"]
 # whether torch keeps it). torch.optim.SGD keeps no step count, so TraceState's ``count`` is
 # saved under "step" in shardopt's own forms but left out of torch's. ``eager``: torch creates
 # the state of every parameter at construction (Adagrad), not at its first gradient. Every
-# factory has a flat rule (the fast path over flat buffers), so ``shard`` runs all of them.
+# elementwise factory has a flat rule (the fast path over flat buffers); Muon and Adafactor need
+# whole tensors ([Note: whole tensors]) and run on tensors of their own shapes. Which of a record's
+# keys torch keeps for a parameter can depend on its shape (Adafactor: ``row_var`` and ``col_var``
+# for 2 or more dims, ``variance`` below): a key torch keeps is there when the factory's state
+# leaf is not None.
 
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable"})
 _STEP = ("count", "step", True)
@@ -144,6 +150,23 @@ TORCH_COMPAT: tuple[TorchCompat, ...] = (
         rprop,
         ScaleByRpropState,
         (_STEP, ("prev", "prev", True), ("step_size", "step_size", True)),
+    ),
+    TorchCompat(
+        torch.optim.Muon,
+        muon,
+        ScaleByMuonState,
+        (("count", "step", False), ("momentum", "momentum_buffer", True)),
+    ),
+    TorchCompat(
+        torch.optim.Adafactor,
+        adafactor,
+        ScaleByAdafactorState,
+        (
+            _STEP,
+            ("row_var", "row_var", True),
+            ("col_var", "col_var", True),
+            ("variance", "variance", True),
+        ),
     ),
     TorchCompat(
         torch.optim.ASGD,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
+from shardopt.core import Transformation
 from shardopt.core.blocks import TORCH_COMPAT
 from shardopt.functional._layout import FlatLayout
 from shardopt.functional._state import (
@@ -24,6 +25,7 @@ __all__ = [
     "STATE_KEYS",
     "FieldKeys",
     "OptimizerKeys",
+    "ShapedState",
     "field_keys",
     "has_state",
     "outside_tensors",
@@ -42,6 +44,7 @@ class OptimizerKeys(NamedTuple):
 
     keys: tuple[tuple[str, str, bool], ...]
     eager: bool = False
+    factory: Callable[..., Transformation] | None = None
 
 
 # [Note: torch state keys]
@@ -52,8 +55,32 @@ class OptimizerKeys(NamedTuple):
 # keeps no step count: ``count`` of TraceState is set to 1 for parameters that have a momentum
 # buffer when a torch dict is loaded (torch creates it at the first step).
 STATE_KEYS: dict[type, OptimizerKeys] = {
-    r.state_type: OptimizerKeys(r.state_keys, r.eager) for r in TORCH_COMPAT
+    r.state_type: OptimizerKeys(r.state_keys, r.eager, r.factory) for r in TORCH_COMPAT
 }
+
+# [Note: shaped state]
+# Adafactor keeps each matrix's second moment as ``row_var`` and ``col_var``, tensors of other
+# shapes than the matrix (and ``variance`` for 0-d and 1-d parameters, which are None for
+# matrices). They are not fields (``probe_fields`` keeps only the piece's shape and 0-d values):
+# they stay in ``inner`` as ``tx.init`` made them, one per piece or None, and the update writes
+# them in place. Only plans of whole tensors have them (a transformation that needs whole tensors
+# is refused a flat plan), so each parameter's tensors are on one rank, its owner, whole. The
+# torch form reads them as ShapedStates: ``consolidate_state_dict`` gathers them from the owners
+# after one small all-reduce of their dtypes, ``load_torch_state_dict`` copies each owner's
+# entries in. Which keys a parameter has and their shapes come from the optimizer's ``init`` on a
+# meta tensor of the parameter's shape (``FieldKeys.shapes``), the same on every rank, so every
+# rank checks every entry alike. ``save_checkpoint`` (DCP) saves each as a plain tensor from its
+# owner, which DCP reshards by key (not with DTensor parameters, whose row means would be a
+# shard's).
+
+
+class ShapedState(NamedTuple):
+    """A per-piece state outside the fields (see [Note: shaped state]): piece k's tensor in a
+    shape of its own, or None, under torch's ``key``."""
+
+    path: str
+    key: str
+    tensors: tuple[torch.Tensor | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +90,41 @@ class FieldKeys:
     ``entries``: (field, key, in_torch) where ``key`` is torch's key for a core optimizer's state
     (see [Note: torch state keys]) and the field's sanitised path otherwise; ``count``: the field
     deciding whether a parameter has state yet (None: every parameter has); ``eager``: every
-    parameter has state (Adagrad).
+    parameter has state (Adagrad); ``shaped``: the states outside fields ([Note: shaped
+    state]); ``factory``: the core optimizer's, for :meth:`shapes`; ``order``: torch's keys in
+    torch's order.
     """
 
     entries: tuple[tuple[StateField, str, bool], ...]
     count: StateField | None
     eager: bool
+    shaped: tuple[ShapedState, ...] = ()
+    factory: Callable[..., Transformation] | None = None
+    order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        keys = [key for _, key, _ in self.entries]
+        keys = [key for _, key, _ in self.entries] + [s.key for s in self.shaped]
         if len(set(keys)) != len(keys):
             raise ValueError(f"FieldKeys: expected distinct keys, got {keys}")
+
+    def shapes(self, shape: Sequence[int], dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
+        """The shaped keys a parameter of ``shape`` has, with their shapes (see [Note: shaped
+        state]); raises ValueError for a shape the optimizer refuses."""
+        if not self.shaped or self.factory is None:
+            return {}
+        state = self.factory().init([torch.empty(tuple(shape), dtype=dtype, device="meta")])
+        found = _known_states(state)[0][1]
+        out = {}
+        for s in self.shaped:
+            leaf = getattr(found, s.path.rsplit(".", 1)[1])[0]
+            if leaf is not None:
+                out[s.key] = tuple(leaf.shape)
+        return out
+
+    def ordered(self, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``entry`` with its keys in torch's order."""
+        rank = {key: i for i, key in enumerate(self.order)}
+        return dict(sorted(entry.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
 
 def _known_states(inner: Any) -> list[tuple[str, Any]]:
@@ -105,14 +156,21 @@ def field_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> Fi
     if len(known) == 1:
         prefix, value = known[0]
         spec = STATE_KEYS[type(value)]
-        entries = []
+        entries, shaped = [], []
+        lists = _piece_lists(state)
         for name, key, in_torch in spec.keys:
-            field = by_path.pop(f"{prefix}.{name}", None)
+            path = f"{prefix}.{name}"
+            field = by_path.pop(path, None)
             if field is not None:
                 entries.append((field, key, in_torch))
-        if not by_path and not outside_tensors(state):
+            elif in_torch and path in lists:
+                shaped.append(ShapedState(path, key, lists[path]))
+        inside = {s.path for s in shaped}
+        others = [p for p, _, _ in outside_tensors(state) if p.rsplit("[", 1)[0] not in inside]
+        if not by_path and not others:
             count = next((f for f, key, _ in entries if key == "step"), None)
-            return FieldKeys(tuple(entries), count, spec.eager)
+            order = tuple(key for _, key, kept in spec.keys if kept)
+            return FieldKeys(tuple(entries), count, spec.eager, tuple(shaped), spec.factory, order)
     if torch_only and (state.fields or outside_tensors(state)):
         names = sorted({type(x).__name__ for _, x in known}) or "none"
         raise ValueError(
@@ -124,16 +182,30 @@ def field_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> Fi
     return FieldKeys(tuple(entries), None, False)
 
 
+def _is_piece_list(n: int) -> Callable[[Any], bool]:
+    def is_list(x: Any) -> bool:
+        return (
+            type(x) is list
+            and len(x) == n
+            and all(e is None or isinstance(e, torch.Tensor) for e in x)
+        )
+
+    return is_list
+
+
+def _piece_lists(state: ShardedState) -> dict[str, tuple[torch.Tensor | None, ...]]:
+    """The per-piece lists of ``state.inner`` (one tensor or None per piece), by path."""
+    is_list = _is_piece_list(len(state.layout.pieces))
+    leaves = pytree.tree_flatten_with_path(state.inner, is_leaf=is_list)[0]
+    return {pytree.keystr(p): tuple(x) for p, x in leaves if is_list(x)}
+
+
 def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]:
     """The tensors of ``state.inner`` outside its fields, by path, each with whether it is
     replicated (a plain leaf, the same on every rank) rather than one of a per-piece list.
     Injected hyperparameters are not state (see [Note: hyperparameters of a sharded state])."""
-    n = len(state.layout.pieces)
     paths = {f.path for f in state.fields}
-
-    def is_field(x: Any) -> bool:
-        return type(x) is list and len(x) == n and all(isinstance(e, torch.Tensor) for e in x)
-
+    is_field = _is_piece_list(len(state.layout.pieces))
     out = []
     inner = without_hyperparams(state.inner)
     for path, leaf in pytree.tree_flatten_with_path(inner, is_leaf=is_field)[0]:
@@ -143,7 +215,7 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
         if isinstance(leaf, torch.Tensor):
             out.append((key, leaf, True))
         elif is_field(leaf):
-            out.extend((f"{key}[{i}]", t, False) for i, t in enumerate(leaf))
+            out.extend((f"{key}[{i}]", t, False) for i, t in enumerate(leaf) if t is not None)
     return out
 
 

@@ -107,7 +107,10 @@ def _optim_dict(
                 entry[key] = piece_value(field, layout, k, slots)
             else:
                 entry[key] = piece_tensor(shape, piece, piece_value(field, layout, k, slots), place)
-    replicated = {sanitised_key(path): x for path, x, _ in outside_tensors(state)}
+        for shaped in keys.shaped:  # whole on their owner: plain tensors ([Note: shaped state])
+            if (whole := shaped.tensors[k]) is not None:
+                entry[shaped.key] = whole
+    replicated = {sanitised_key(p): x for p, x, shared in outside_tensors(state) if shared}
     return {"state": entries, "master_weights": master_weights, "replicated": replicated}
 
 
@@ -131,10 +134,17 @@ def _checkpoint_group(api: str, state: ShardedState, group: Any) -> ProcessGroup
     return dist.group.WORLD
 
 
-def _common_checks(state: ShardedState, extra: Any) -> str | None:
-    per_piece = [path for path, _, replicated in outside_tensors(state) if not replicated]
+def _common_checks(state: ShardedState, keys: FieldKeys, extra: Any) -> str | None:
+    shaped = {s.path for s in keys.shaped}
+    per_piece = [
+        path
+        for path, _, replicated in outside_tensors(state)
+        if not replicated and path.rsplit("[", 1)[0] not in shaped
+    ]
     if per_piece:
         return f"every per-parameter tensor of the state in a field, got others at {per_piece}"
+    if shaped and state.layout.global_places is not None:
+        return "no shaped state (Adafactor's row_var, col_var) with DTensor parameters"
     if extra is not None and (not isinstance(extra, Mapping) or OPTIM_KEY in extra):
         return f"extra to be a mapping without the key {OPTIM_KEY!r}, got {type(extra).__name__}"
     return None
@@ -247,7 +257,7 @@ def save_checkpoint(
     key_of = [str(k) for k in param_keys(api, plan, names)]
     groups = param_group_dicts(api, plan, param_groups, key_of)
     target = os.path.abspath(os.fspath(path))
-    error = _common_checks(state, extra)
+    error = _common_checks(state, keys, extra)
     if error is None and rank == 0 and _published(target) is not None and not overwrite:
         error = f"a path that does not exist (or overwrite=True), got {target!r}"
     agree_across_ranks(api, error, fingerprint(plan, (target, key_of)), group)
@@ -297,29 +307,34 @@ def _check_metadata(
     places = _places(state)
     saved = md.state_dict_metadata
     prefix = f"{OPTIM_KEY}.state."
+    shapes = [keys.shapes(spec.shape, torch.float32) for spec in plan.tensors]
     expected = {f"{prefix}{n}.{key}" for n in names for _, key, _ in keys.entries}
+    expected |= {f"{prefix}{n}.{key}" for n, s in zip(names, shapes) for key in s}
     unknown = sorted(k for k in saved if k.startswith(prefix) and k not in expected)
     if unknown:
         return f"state keys among those of this optimizer and plan, got {unknown[:4]}", [], []
     present, masters = [], []
     for t, spec in enumerate(plan.tensors):
         base = f"{prefix}{names[t]}."
-        have = [key for _, key, _ in keys.entries if base + key in saved]
+        place = places[t]
+        full = spec.shape if place is None else place.shape
+        want = {
+            key: torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
+            for field, key, _ in keys.entries
+        }
+        want.update({key: torch.Size(shape) for key, shape in shapes[t].items()})
+        have = [key for key in want if base + key in saved]
         present.append(bool(have) and spec.numel > 0)
         masters.append(f"{OPTIM_KEY}.master_weights.{names[t]}" in saved)
-        if have and len(have) != len(keys.entries):
-            want = [key for _, key, _ in keys.entries]
-            return f"keys {want} for parameter {names[t]!r}, got {have}", [], []
-        for field, key, _ in keys.entries if have else ():
-            place = places[t]
-            full = spec.shape if place is None else place.shape
-            shape = torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
+        if have and len(have) != len(want):
+            return f"keys {list(want)} for parameter {names[t]!r}, got {have}", [], []
+        for key, shape in want.items() if have else ():
             item = saved[base + key]
             if not isinstance(item, TensorStorageMetadata) or item.size != shape:
                 got = getattr(item, "size", type(item).__name__)
                 return f"{base + key} of shape {tuple(shape)}, got {got}", [], []
-    for path, _, _ in outside_tensors(state):
-        if f"{OPTIM_KEY}.replicated.{sanitised_key(path)}" not in saved:
+    for path, _, replicated in outside_tensors(state):
+        if replicated and f"{OPTIM_KEY}.replicated.{sanitised_key(path)}" not in saved:
             return f"the replicated state {path} in the checkpoint, got none", [], []
     return None, present, masters
 
@@ -354,7 +369,7 @@ def load_checkpoint(
     key_of = [str(k) for k in param_keys(api, plan, names)]
     asked = os.path.abspath(os.fspath(path))
     source = _published(asked) or asked  # after a crash mid-publish: [Note: atomic checkpoints]
-    error = _common_checks(state, extra)
+    error = _common_checks(state, keys, extra)
     present: list[bool] = []
     masters: list[bool] = []
     hyperparams: dict[str, Any] = {}

@@ -212,15 +212,18 @@ def slice_state(inner: Any, n: int, lo: int, hi: int) -> Any:
     return pytree.tree_unflatten([x[lo:hi] if is_field(x) else x for x in leaves], spec)
 
 
-def init_values(tx: Transformation, dtypes: Sequence[torch.dtype]) -> dict[str, list[float]]:
-    """Each field's initial value per plan group (every element starts alike).
+def init_values(
+    tx: Transformation, dtypes: Sequence[torch.dtype], shape: tuple[int, ...] = (2,)
+) -> dict[str, list[float]]:
+    """Each field's initial value per plan group (every element starts alike), from ``tx.init``
+    of probes of ``shape`` (a matrix for a transformation that needs whole tensors).
 
     Example:
         >>> from shardopt.core import rprop
         >>> init_values(rprop(lr=0.5), [torch.float32])["[0].step_size"]
         [0.5]
     """
-    state = tx.init([torch.zeros(2, dtype=d) for d in dtypes])
+    state = tx.init([torch.zeros(shape, dtype=d) for d in dtypes])
     is_field = _field_pred(len(dtypes))
     leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=is_field)
     return {

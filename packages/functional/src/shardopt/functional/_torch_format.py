@@ -2,53 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardopt.core import Piece, Plan
-from shardopt.functional._checkpoint_keys import (
-    FieldKeys,
-    field_keys,
-    has_state,
-    piece_slots,
-    piece_value,
-)
+from shardopt.core import Plan
+from shardopt.functional._checkpoint_keys import FieldKeys, field_keys, piece_slots, piece_value
 from shardopt.functional._collectives import ProcessGroup, comm_device
+from shardopt.functional._consolidate import (
+    empty_entries,
+    gather_elementwise,
+    gather_scalars,
+    gather_shaped,
+    merge_codes,
+    shaped_dtypes,
+)
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
 
 Hyperparams = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
-
-# [Note: consolidation by gathers]
-# Rank ``to`` must end up holding the S bytes of the result; the aim is to hold little besides. It
-# allocates every entry first (each tensor contiguous, with a storage of its own), then fills the
-# ELEMENTWISE ones one field of one plan group at a time. Rank r's field buffer of a group is its
-# compact shard (``shard_numels[r]`` elements, [Note: flat storage]), and ``Plan.pieces(r)`` says
-# which entry each of its elements belongs to (padding belongs to none). Shards travel in windows of
-# 1 / (2 W) of the group's largest shard: each of 2 W gathers brings one window of every rank's
-# shard into a staging buffer of W windows (half a shard), whose rows are copied into the entries. A
-# gather needs equal sizes on every rank, and greedy shards are unequal, so each rank pads its shard
-# with zeros to the largest (``max(shard_numels)``, never more), copying only the one window that
-# runs past its end; the padding of a row belongs to no piece and is never read. Why windows: gloo's
-# gather stages its whole result in a hidden buffer before copying it into the outputs (measured:
-# the peak is twice the output), so one gather per field would hold the whole field twice besides S;
-# with windows, staging and gloo's copy of it hold one shard (<= S / W; gloo frees its copy on its
-# own thread, at times a window late): the peak is S plus one field shard (NCCL's gather writes into
-# the outputs: S plus half a shard). The cost, 2 W gathers per field and plan group instead of one,
-# is small next to the bytes at the world sizes gloo runs (measured at W = 2 and 4: faster than
-# point-to-point sends to ``to`` one rank at a time). Why not views into a gathered buffer: pickle
-# (``broadcast_object_list``) and ``torch.save`` of one entry would write the view's whole storage.
-# PER_PIECE values (counts, NAdam's mu_product) travel first, as one (fields x tensors) float64
-# matrix per rank, each rank filling the columns of the tensors whose first element it owns (float64
-# holds float32 counts exactly); rank ``to`` reads column t from that owner, and the counts decide
-# which parameters get an entry. The gathers run on the CPU under gloo (it has no CUDA gather) and
-# on the CUDA device under NCCL ([Note: collective algorithms]); nothing is pickled. Every check
-# runs before the first gather, on every rank alike, so a bad argument raises everywhere.
 
 
 def torch_hyperparams(optimizer: type[torch.optim.Optimizer], **kwargs: Any) -> dict[str, Any]:
@@ -60,7 +36,7 @@ def torch_hyperparams(optimizer: type[torch.optim.Optimizer], **kwargs: Any) -> 
         >>> hp["lr"], hp["momentum"], hp["nesterov"], "params" in hp
         (0.1, 0.9, False, False)
     """
-    probe = torch.nn.Parameter(torch.zeros(1))
+    probe = torch.nn.Parameter(torch.zeros(1, 1))  # a matrix: torch.optim.Muon takes no other
     group = optimizer([probe], **kwargs).state_dict()["param_groups"][0]
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -75,7 +51,8 @@ def consolidate_state_dict(
 ) -> dict[str, Any] | None:
     """The full optimizer state in ``torch.optim.<Class>.state_dict()`` format, on rank ``to``.
 
-    Every rank of ``group`` must call it (it gathers, see [Note: consolidation by gathers]);
+    Every rank of ``group`` must call it (it gathers, see [Note: consolidation by gathers] in
+    ``_consolidate.py``);
     rank ``to`` gets ``{"state": {index: {"step": ..., "exp_avg": ..., ...}}, "param_groups":
     [{..., "params": [indices]}]}`` with the keys of [Note: torch state keys], the others None.
     Parameters that never had a gradient get no entry (as in torch; every parameter for
@@ -119,16 +96,19 @@ def consolidate_state_dict(
         keys = field_keys(state, api, torch_only=True)
         key_of = param_keys(api, plan, names)
         groups = param_group_dicts(api, plan, param_groups, key_of)
+        local = shaped_dtypes(api, keys, state)
     except ValueError as exc:
         failure = exc
     print_ = 0 if failure else fingerprint(plan, describe((to, key_of, groups)))
     agree_across_ranks(api, failure, print_, group)
-    scalars = _gather_scalars(state, keys, to, group)
-    entries = _empty_entries(state, keys, scalars, comm_device(group)) if rank == to else None
-    _gather_elementwise(state, keys, entries, to, group)
+    scalars = gather_scalars(state, keys, to, group)
+    codes = merge_codes(local, group) if keys.shaped else local
+    entries = empty_entries(state, keys, scalars, codes, comm_device(group)) if rank == to else None
+    gather_elementwise(state, keys, entries, to, group)
+    gather_shaped(state, keys, codes, entries, to, group)
     if entries is None:
         return None
-    out = {key_of[t]: entry for t, entry in entries.items()}
+    out = {key_of[t]: keys.ordered(entry) for t, entry in entries.items()}
     return {"state": out, "param_groups": groups}
 
 
@@ -174,138 +154,6 @@ def param_group_dicts(
             )
         out.append({**{k: v for k, v in h.items() if k != "params"}, "params": params})
     return out
-
-
-def tensor_locations(plan: Plan) -> list[tuple[int, int]]:
-    """(plan group, offset in its flat buffer) of every plan tensor."""
-    where = [(0, 0)] * len(plan.tensors)
-    for g, grp in enumerate(plan.groups):
-        for t, offset in zip(grp.tensors, grp.offsets):
-            where[t] = (g, offset)
-    return where
-
-
-def _gather_rows(rows: torch.Tensor, to: int, group: ProcessGroup) -> torch.Tensor | None:
-    """``rows`` of every rank, stacked on rank ``to`` (None elsewhere): one gather."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    send = rows.to(comm_device(group)).contiguous()
-    if world == 1:
-        return send.unsqueeze(0)
-    out = send.new_empty((world, *send.shape)) if rank == to else None
-    dist.gather(send, None if out is None else list(out.unbind(0)), group_dst=to, group=group)
-    return out
-
-
-def _windows(
-    buf: torch.Tensor, numel: int, to: int, group: ProcessGroup
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """On rank ``to``: (rank r, offset lo, elements ``[lo, lo + len)`` of r's ``buf`` padded with
-    zeros to ``numel``, the largest ``buf`` of any rank), covering every rank's ``buf``, each
-    valid until the next is asked for; elsewhere nothing. Collective (2 W gathers of equal
-    sizes, see [Note: consolidation by gathers]): every rank must exhaust it."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flat = buf.to(comm_device(group)).reshape(-1)
-    if world == 1:
-        yield 0, 0, flat
-        return
-    chunk = max(1, -(-numel // (2 * world)))
-    staging = flat.new_empty(world * chunk) if rank == to else None
-    for lo in range(0, numel, chunk):
-        n = min(chunk, numel - lo)
-        send = flat[lo : lo + n]
-        if send.numel() < n:  # past the end of this rank's shard: pad (one window at most)
-            send = torch.cat([send, flat.new_zeros(n - send.numel())])
-        rows = None if staging is None else staging[: world * n].view(world, -1)
-        dist.gather(send, None if rows is None else list(rows.unbind(0)), group_dst=to, group=group)
-        for r, row in enumerate(rows if rows is not None else ()):
-            yield r, lo, row
-
-
-def _empty_entries(
-    state: ShardedState, keys: FieldKeys, scalars: Mapping[str, torch.Tensor], device: torch.device
-) -> dict[int, dict[str, torch.Tensor]]:
-    """Rank ``to``'s entry of every plan tensor that has one: PER_PIECE values set, ELEMENTWISE
-    tensors allocated on ``device`` (for :func:`_gather_elementwise` to fill)."""
-    plan = state.layout.plan
-    where = tensor_locations(plan)
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for t, spec in enumerate(plan.tensors):
-        count = scalars[keys.count.path][t] if keys.count is not None else None
-        if spec.numel == 0 or not has_state(keys, count):
-            continue
-        g = where[t][0]
-        entry = {}
-        for field, key, in_torch in keys.entries:
-            if not in_torch:
-                continue
-            dtype = field.buffers[g].dtype
-            if field.kind is FieldKind.PER_PIECE:
-                entry[key] = scalars[field.path][t].to(dtype, copy=True)
-            else:
-                entry[key] = torch.empty(spec.shape, dtype=dtype, device=device)
-        out[t] = entry
-    return out
-
-
-def _gather_elementwise(
-    state: ShardedState,
-    keys: FieldKeys,
-    entries: Mapping[int, Mapping[str, torch.Tensor]] | None,
-    to: int,
-    group: ProcessGroup,
-) -> None:
-    """Fills the ELEMENTWISE tensors of ``entries`` (rank ``to``'s; None elsewhere) from every
-    rank's field shards, one field of one plan group at a time."""
-    plan = state.layout.plan
-    fields = [(f, key) for f, key, t in keys.entries if t and f.kind is FieldKind.ELEMENTWISE]
-    targets = entries if entries is not None else {}
-    owned = [plan.pieces(r) for r in range(plan.world_size)] if entries is not None else []
-    for g in range(len(plan.groups)):
-        pieces = [[p for p in mine if p.group == g] for mine in owned]
-        for f, key in fields:
-            numel = max(plan.groups[g].shard_numels)
-            _copy_pieces(_windows(f.buffers[g], numel, to, group), pieces, key, targets)
-
-
-def _copy_pieces(
-    windows: Iterator[tuple[int, int, torch.Tensor]],
-    pieces: Sequence[Sequence[Piece]],
-    key: str,
-    targets: Mapping[int, Mapping[str, torch.Tensor]],
-) -> None:
-    """Copies what each (rank r, offset lo, window of r's shard) holds of ``pieces[r]`` into
-    ``targets[t][key]`` (a function of its own: the last window is freed when it returns)."""
-    for r, lo, window in windows:
-        hi = lo + window.numel()
-        for p in pieces[r]:
-            entry = targets.get(p.tensor)
-            a, b = max(p.offset, lo), min(p.offset + p.stop - p.start, hi)
-            if entry is not None and a < b:
-                dst = entry[key].view(-1)
-                dst[p.start + a - p.offset : p.start + b - p.offset].copy_(window[a - lo : b - lo])
-
-
-def _gather_scalars(
-    state: ShardedState, keys: FieldKeys, to: int, group: ProcessGroup
-) -> dict[str, torch.Tensor]:
-    """On ``to``: each PER_PIECE field's value per plan tensor, from the rank owning its start."""
-    layout, plan = state.layout, state.layout.plan
-    fields = [f for f, _, _ in keys.entries if f.kind is FieldKind.PER_PIECE]
-    if not fields:
-        return {}
-    rows = torch.zeros(len(fields), len(plan.tensors), dtype=torch.float64)
-    slots = piece_slots(layout)
-    for k, piece in enumerate(layout.pieces):
-        if piece.start == 0:
-            for i, f in enumerate(fields):
-                rows[i, piece.tensor] = piece_value(f, layout, k, slots).item()
-    gathered = _gather_rows(rows, to, group)
-    if gathered is None:
-        return {}
-    gathered = gathered.cpu()
-    owners = [plan.tensor_pieces(t)[0][0] if s.numel else 0 for t, s in enumerate(plan.tensors)]
-    picked = gathered[torch.tensor(owners), :, torch.arange(len(plan.tensors))]  # (tensors, F)
-    return {f.path: picked[:, i] for i, f in enumerate(fields)}
 
 
 def load_torch_state_dict(
@@ -369,6 +217,9 @@ def load_torch_state_dict(
                     dst.copy_(torch.as_tensor(entry[key]).reshape(()))
                 else:
                     dst.copy_(entry[key].reshape(-1)[piece.start : piece.stop])
+            for shaped in keys.shaped:  # [Note: shaped state]: pieces are whole tensors
+                if (whole := shaped.tensors[k]) is not None:
+                    whole.copy_(entry[shaped.key])
         for g, master in enumerate(state.master):
             if master is not None:
                 master.copy_(layout.copy_shard_out(g))
@@ -390,21 +241,24 @@ def _checked_entries(
     unknown = [k for k in state if k not in set(key_of)]
     if unknown:
         raise ValueError(f"{api}: expected state keys among {list(key_of)}, got {unknown}")
-    expected = {key: f for f, key, in_torch in keys.entries if in_torch}
+    fields = {key: f for f, key, in_torch in keys.entries if in_torch}
     out: list[Mapping[str, Any] | None] = []
     for t, spec in enumerate(plan.tensors):
         entry = state.get(key_of[t])
         out.append(entry)
         if entry is None:
             continue
+        expected = {
+            key: () if f.kind is FieldKind.PER_PIECE else spec.shape for key, f in fields.items()
+        }
+        expected.update(keys.shapes(spec.shape, torch.float32))
         if not isinstance(entry, Mapping) or set(entry) != set(expected):
             got_keys = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
             raise ValueError(
                 f"{api}: expected state[{key_of[t]!r}] with keys {sorted(expected)}, got {got_keys}"
             )
-        for key, field in expected.items():
+        for key, shape in expected.items():
             value = torch.as_tensor(entry[key])
-            shape = () if field.kind is FieldKind.PER_PIECE else spec.shape
             if tuple(value.shape) != tuple(shape):
                 raise ValueError(
                     f"{api}: expected state[{key_of[t]!r}][{key!r}] of shape {tuple(shape)}, "

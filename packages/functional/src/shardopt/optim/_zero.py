@@ -63,12 +63,14 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
       under NCCL, not one call per parameter (see [Note: greedy parameter sync]). With
       ``parameters_as_bucket_view=True`` the parameters become views of those buffers; without,
       they keep their storage and small staging buffers carry them.
-    - ``partition="flat"``: for the elementwise torch.optim classes (SGD, Adam, AdamW, Adagrad,
-      RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop): every rank owns an equal slice of one
-      flat buffer per dtype (exactly 1/W of the state; parameters may straddle ranks), stepped
-      by shardopt.core through ``shardopt.functional.shard``; ``optim`` is a
+    - ``partition="flat"``: for the torch.optim classes with a shardopt.core form (SGD, Adam,
+      AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD, Muon, Adafactor):
+      shardopt's engine steps them through ``shardopt.functional.shard``; ``optim`` is a
       :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (see [Note: the flat local
-      optimizer]). Parameters are always views of the flat buffers.
+      optimizer]). For the elementwise classes every rank owns an equal slice of one flat buffer
+      per dtype (exactly 1/W of the state; parameters may straddle ranks); Muon and Adafactor
+      need whole matrices, so each rank owns whole parameters balanced by the update's cost
+      (Newton–Schulz flops for Muon). Parameters are always views of the flat buffers.
     - ``allow_mixed_dtypes=True``: parameters of several dtypes, one flat group per dtype.
 
     ``consolidate_state_dict`` gathers flat tensors to one rank (see [Note: consolidation without
@@ -104,7 +106,7 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
     Raises:
         TypeError: ``params`` is not an iterable of tensors or of param-group dicts.
         ValueError: no parameters, a sparse parameter, mixed dtypes (unless allowed), an unknown
-            ``partition``, or ``partition="flat"`` with an optimizer that is not elementwise.
+            ``partition``, or ``partition="flat"`` with an optimizer without a shardopt.core form.
     """
 
     def __init__(

@@ -14,9 +14,12 @@ from shardopt.core import (
     Plan,
     Transformation,
     inject_hyperparams,
+    muon,
+    newton_schulz_flops,
     plan_partition,
     set_hyperparams,
 )
+from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional import ShardedState, ShardedTransformation, shard
 from shardopt.functional.engine import ProcessGroup, init_values, probe_fields
 from shardopt.optim._core_mapping import plan_local_optimizer
@@ -54,6 +57,11 @@ Factory = Callable[..., Transformation]
 #   ``weight_decay`` from 0, ``amsgrad``, ``centered``) raises instead; one that changes only
 #   the chain around them (AdamW's ``weight_decay`` to or from 0) re-seats the same fields in
 #   the new chain's state (``_Unit.reseated``).
+# Muon and Adafactor need whole matrices (core's [Note: whole tensors]): their groups get a greedy
+# plan instead, each rank owning whole parameters balanced by the update's cost (Newton–Schulz
+# flops for Muon, elements for Adafactor), on the same engine (shardopt.functional's [Note: whole
+# matrices]); ``params`` and ``state`` then hold views in the parameters' shapes, and the state
+# includes Adafactor's ``row_var``/``col_var``/``variance`` ([Note: shaped state]).
 
 
 def torch_defaults(
@@ -65,7 +73,8 @@ def torch_defaults(
         >>> sorted(torch_defaults(torch.optim.SGD, {"lr": 0.1}, torch.zeros(1)))[:3]
         ['dampening', 'differentiable', 'foreach']
     """
-    probe = torch.zeros(0, dtype=like.dtype, device=like.device, requires_grad=True)
+    # a matrix (torch.optim.Muon takes no other), without elements
+    probe = torch.zeros(0, 0, dtype=like.dtype, device=like.device, requires_grad=True)
     return dict(optimizer_class([probe], **defaults).defaults)
 
 
@@ -105,11 +114,15 @@ class _Unit:
         self.fields = self.structure(self.factory(**kwargs))
         self.state: ShardedState = self.sharded.init(params)
         self.pieces = self.state.layout.param_views()
+        if plan.owners is not None:  # whole tensors: views in their shapes
+            shapes = [plan.tensors[p.tensor].shape for p in self.state.layout.pieces]
+            self.pieces = [v.view(shape) for v, shape in zip(self.pieces, shapes)]
         self._initial: tuple[Any, dict[str, list[float]]] = (None, {})
 
     def structure(self, tx: Transformation) -> dict[str, Any]:
         """The fields of ``tx``'s state over this plan: path -> (kind, dtypes)."""
-        probes = [torch.zeros(2, dtype=getattr(torch, g.dtype)) for g in self.plan.groups]
+        shape = (2, 3) if self.plan.owners is not None else (2,)
+        probes = [torch.zeros(shape, dtype=getattr(torch, g.dtype)) for g in self.plan.groups]
         found = probe_fields(tx, probes)
         return {path: (kind.value, dtypes) for path, (kind, dtypes) in found.items()}
 
@@ -121,13 +134,17 @@ class _Unit:
         if self._initial[0] is not hyper:
             tx = inject_hyperparams(self.factory, **hyper)
             dtypes = [getattr(torch, g.dtype) for g in self.plan.groups]
-            self._initial = (hyper, init_values(tx, dtypes))
+            shape = (2, 3) if self.plan.owners is not None else (2,)
+            self._initial = (hyper, init_values(tx, dtypes, shape))
         return self._initial[1]
 
     def reseated(self, kwargs: dict[str, Any]) -> InjectHyperparamsState | None:
         """The state of ``inject_hyperparams(factory, **kwargs)`` over this rank's pieces with
-        the current field tensors at the same paths; None if a field has no place in it."""
+        the current field tensors at the same paths; None if a field has no place in it, or the
+        state has tensors outside fields (whole-tensor optimizers: Adafactor's row_var)."""
         n = len(self.pieces)
+        if needs_whole_tensors(self.factory(**kwargs)):
+            return None
 
         def is_field(x: Any) -> bool:
             return type(x) is list and len(x) == n
@@ -204,10 +221,25 @@ class FlatShardOptimizer:
 
     def prepare(self, group: dict[str, Any]) -> None:
         """Fills ``group`` (a ZeroRedundancyOptimizer group) with the class's defaults and checks
-        that shardopt.core can run it; local, so it raises before any collective."""
+        that shardopt.core can run it, on its parameters' shapes for a whole-tensor optimizer
+        (Muon: matrices only); local, so it raises before any collective."""
         for key, value in self.defaults.items():
             group.setdefault(key, value)
-        self.build(self.hyperparameters(group))
+        tx = self.build(self.hyperparameters(group))
+        if needs_whole_tensors(tx):
+            try:
+                tx.init([torch.empty(p.shape, device="meta") for p in group["params"]])
+            except ValueError as exc:
+                raise ValueError(f"{API}: {exc}") from exc
+
+    def plan(self, params: list[torch.Tensor], hyper: dict[str, Any]) -> Plan:
+        """The group's plan: flat slices, or whole tensors balanced by the update's cost for an
+        optimizer that needs them (see [Note: the flat local optimizer])."""
+        factory, kwargs = self.core(hyper)
+        if not needs_whole_tensors(factory(**kwargs)):
+            return plan_partition(params, self._world_size, strategy="flat")
+        cost = (lambda t: newton_schulz_flops(t.shape)) if factory is muon else None
+        return plan_partition(params, self._world_size, strategy="greedy", cost=cost)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """Shards ``group`` (a ZeroRedundancyOptimizer group, all keys filled); collective."""
@@ -215,7 +247,7 @@ class FlatShardOptimizer:
         params = list(group["params"])
         unit = None
         if params:
-            plan = plan_partition(params, self._world_size, strategy="flat")
+            plan = self.plan(params, hyper)
             unit = _Unit(params, plan, self.core(hyper), hyper, self._group)
         self._units.append(unit)
         self.param_groups.append({**hyper, "params": [] if unit is None else unit.pieces})

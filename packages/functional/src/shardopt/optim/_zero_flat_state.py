@@ -28,23 +28,30 @@ API = "ZeroRedundancyOptimizer"
 # sharded state, whose tensor t is the group's t-th parameter. Two things are ours: the keys are
 # moved to the global parameter indices, and loading follows torch.optim's semantics, where a
 # parameter without an entry in the loaded dict starts afresh (its state is reset first, as
-# ``load_torch_state_dict`` only fills fresh states).
+# ``load_torch_state_dict`` only fills fresh states). A group of whole tensors (Muon, Adafactor)
+# shows each piece's state in its parameter's shape, Adafactor's ``row_var``/``col_var``/
+# ``variance`` included ([Note: shaped state]).
 
 
 def piece_entries(state: ShardedState) -> dict[int, dict[str, torch.Tensor]]:
     """Piece index -> torch-named views of its state, for pieces torch would hold state for."""
     keys = field_keys(state, API, torch_only=True)
     layout = state.layout
+    plan = layout.plan
     slots = piece_slots(layout)
     out = {}
-    for k in range(len(layout.pieces)):
+    for k, piece in enumerate(layout.pieces):
         count = None if keys.count is None else piece_value(keys.count, layout, k, slots)
         if keys.count is None and not keys.eager:
             continue  # no state at all (SGD without momentum)
-        if has_state(keys, count):
-            out[k] = {
-                key: piece_value(f, layout, k, slots) for f, key, kept in keys.entries if kept
-            }
+        if not has_state(keys, count):
+            continue
+        entry = {key: piece_value(f, layout, k, slots) for f, key, kept in keys.entries if kept}
+        if plan.owners is not None:  # whole tensors: in their shapes
+            shape = plan.tensors[piece.tensor].shape
+            entry = {key: v if v.dim() == 0 else v.view(shape) for key, v in entry.items()}
+        entry.update({s.key: t for s in keys.shaped if (t := s.tensors[k]) is not None})
+        out[k] = keys.ordered(entry)
     return out
 
 
@@ -72,12 +79,16 @@ def load_flat(unit: Any, entries: Sequence[dict[str, Any] | None]) -> None:
     slice of the group's state (see [Note: flat state in torch's form])."""
     layout = unit.state.layout
     slots = piece_slots(layout)
+    shaped = field_keys(unit.state, API, torch_only=True).shaped
     with torch.no_grad():
-        for f in unit.state.fields:
-            for k, piece in enumerate(layout.pieces):
-                if entries[piece.tensor] is None:
-                    fresh = unit.initial[f.path][piece.group]
-                    piece_value(f, layout, k, slots).fill_(fresh)
+        for k, piece in enumerate(layout.pieces):
+            if entries[piece.tensor] is not None:
+                continue
+            for f in unit.state.fields:
+                piece_value(f, layout, k, slots).fill_(unit.initial[f.path][piece.group])
+            for s in shaped:  # Adafactor's second moments, which start at zero
+                if (t := s.tensors[k]) is not None:
+                    t.zero_()
     state = {t: e for t, e in enumerate(entries) if e is not None}
     sd = {"state": state, "param_groups": [{"params": list(range(len(entries)))}]}
     load_torch_state_dict(unit.state, sd)

@@ -219,7 +219,7 @@ def check_options(
     if chosen is Strategy.FLAT:
         if optimizer_class not in CORE_FACTORIES:
             raise ValueError(
-                f"{API}: partition='flat' needs an elementwise optimizer, got "
+                f"{API}: partition='flat' needs an optimizer with a shardopt.core form, got "
                 f"{getattr(optimizer_class, '__name__', repr(optimizer_class))} (known: "
                 f"{', '.join(c.__name__ for c in CORE_FACTORIES)})"
             )
