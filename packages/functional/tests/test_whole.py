@@ -81,18 +81,34 @@ def test_sharded_whole_matrices_match_torch_on_the_full_batch(run_world, name, a
             torch.testing.assert_close(p, e, rtol=0, atol=atol)
 
 
-def flat_plan(rank: int, world: int) -> str:
-    params = list(matrices().parameters())
+def refused(rank: int, world: int, strategy: str) -> str:
+    model = matrices() if strategy == "flat" else with_biases()
+    params = list(model.parameters())
+    if strategy == "flat":
+        tx, plan = muon(), plan_partition(params, world)
+    else:  # Adafactor needs the biases whole too: a mixed plan that cuts them is refused
+        matrix = lambda t: len(t.shape) == 2  # noqa: E731
+        tx, plan = adafactor(), plan_partition(params, world, strategy="mixed", whole=matrix)
     try:
-        shard(muon(), plan_partition(params, world)).init(params)
+        shard(tx, plan).init(params)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-def test_a_flat_plan_is_refused_for_whole_matrices(run_world: Any) -> None:
-    for message in run_world(flat_plan, 2):
-        assert message.startswith("shard: expected a plan of whole tensors (strategy='greedy')")
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        ("flat", "shard: expected a plan of whole tensors (strategy='greedy' or 'mixed')"),
+        ("mixed", "shard: expected every tensor updated by a transformation that needs it whole "
+         "to be owned whole, got tensors [1, 3] cut by the mixed plan"),
+    ],
+)  # fmt: skip
+def test_a_plan_that_cuts_what_needs_whole_tensors_is_refused_on_every_rank(
+    run_world: Any, strategy: str, message: str
+) -> None:
+    for got in run_world(refused, 2, strategy):
+        assert got.startswith(message)
 
 
 def with_biases() -> nn.Module:
@@ -266,3 +282,126 @@ def test_adafactors_factored_state_reshards_through_dcp(run_world, tmp_path, sav
     for params in run_world(dcp_run, loaded, path, False):
         for p, e in zip(params, final):
             torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-6)
+
+
+# A mixed plan: the hidden matrices whole (Muon), the rest cut like a flat plan (AdamW), one
+# plan and one schedule. The embedding is a matrix too, but AdamW's: the plan cuts it, so its
+# pieces come 1-D and the labels send it to AdamW, as the recipe does by name.
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 8)
+        self.hidden = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(self.embed(x).mean(1)))
+
+
+def is_hidden(name: str, p: torch.Tensor) -> bool:
+    return name.startswith("hidden") and p.dim() == 2
+
+
+def tagger_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randint(0, 11, (16, 5), generator=gen), torch.randn(16, 3, generator=gen)
+
+
+def mixed_recipe(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    from shardopt.core import adamw, partition
+
+    model = Tagger()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    hidden = {id(p) for n, p in named if is_hidden(n, p)}
+    tx = partition(
+        {"muon": muon(lr=0.02), "adamw": adamw(lr=1e-2)},
+        lambda ps: ["muon" if p.dim() == 2 else "adamw" for p in ps],
+    )
+    shapes = [tuple(p.shape) for p in params]
+    whole = [id(p) in hidden for p in params]
+    plan = plan_partition(
+        params,
+        world,
+        strategy="mixed",
+        whole=lambda t: whole[shapes.index(tuple(t.shape))],
+        cost=lambda t: newton_schulz_flops(t.shape),
+    )
+    assert [plan.is_whole(t) for t in range(len(params))] == whole
+    sharded = shard(tx, plan, stage=stage)
+    state = sharded.init(params)
+    if stage == 2:
+        register_grad_hooks(params, state)
+    for step in range(STEPS):
+        x, y = tagger_batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize(("world", "stage"), [(1, 1), (2, 1), (2, 2), (3, 2), (4, 1), (4, 2)])
+def test_a_mixed_plan_runs_muon_on_whole_matrices_and_adamw_on_cut_tensors_like_torch(
+    run_world, world, stage
+):
+    model = Tagger()
+    named = list(model.named_parameters())
+    matrices_ = [p for n, p in named if is_hidden(n, p)]
+    rest = [p for n, p in named if not is_hidden(n, p)]
+    opts = [torch.optim.Muon(matrices_, lr=0.02), torch.optim.AdamW(rest, lr=1e-2)]
+    for step in range(STEPS):
+        x, y = tagger_batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for params in run_world(mixed_recipe, world, stage):
+        for p, e in zip(params, model.parameters()):
+            torch.testing.assert_close(p, e.detach(), rtol=1e-5, atol=1e-6)
+
+
+def adamw_on_a_mixed_plan(rank: int, world: int) -> tuple[list[torch.Tensor], Any]:
+    """An elementwise optimizer on a mixed plan: whole and cut pieces alike to it."""
+    from shardopt.core import adamw
+    from shardopt.functional import consolidate_state_dict, torch_hyperparams
+
+    model = Tagger()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    whole = [is_hidden(n, p) for n, p in named]
+    shapes = [tuple(p.shape) for p in params]
+    plan = plan_partition(
+        params, world, strategy="mixed", whole=lambda t: whole[shapes.index(tuple(t.shape))]
+    )
+    sharded = shard(adamw(lr=1e-2), plan, stage=2)
+    state = sharded.init(params)
+    register_grad_hooks(params, state)
+    for step in range(HALF):
+        x, y = tagger_batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    sd = consolidate_state_dict(state, torch_hyperparams(torch.optim.AdamW, lr=1e-2))
+    return [p.detach() for p in params], sd
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_adamw_on_a_mixed_plan_matches_torch_and_consolidates_to_its_dict(run_world, world):
+    model = Tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(HALF):
+        x, y = tagger_batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    results = run_world(adamw_on_a_mixed_plan, world)
+    expected = opt.state_dict()
+    sd = results[0][1]
+    assert list(sd["state"]) == list(expected["state"])
+    for i, entry in expected["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(sd["state"][i][key], value, rtol=1e-5, atol=1e-6)
+    for params, _ in results:
+        for p, e in zip(params, model.parameters()):
+            torch.testing.assert_close(p, e.detach(), rtol=1e-5, atol=1e-6)

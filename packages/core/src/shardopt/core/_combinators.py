@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from torch.utils import _pytree as pytree
 
-from shardopt.core._base import Transformation, inherit_whole_tensors
+from shardopt.core._base import Transformation, inherit_whole_tensors, needs_whole_tensors
 from shardopt.core._tree import PyTree, tree_leaves, tree_structure
 
-__all__ = ["MaskedState", "PartitionState", "masked", "partition"]
+__all__ = ["MaskedState", "PartitionState", "masked", "partition", "whole_tensor_mask"]
 
 LeafSpec = PyTree | Callable[[PyTree], PyTree]
 
@@ -192,4 +193,34 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
         }
         return pytree.tree_unflatten(out, spec), PartitionState(new_states)
 
-    return inherit_whole_tensors(Transformation(init, update), txs.values())
+    tx = inherit_whole_tensors(Transformation(init, update), txs.values())
+    _PARTITIONS[tx.update] = lambda params: [
+        needs_whole_tensors(txs[label]) for label in _resolve("partition", "labels", labels, params)
+    ]
+    return tx
+
+
+# What each leaf of a partition's params is updated by, by the identity of its update (as
+# [Note: whole tensors] marks): leaves -> whether that transformation needs them whole.
+_PARTITIONS: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[PyTree], list[bool]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def whole_tensor_mask(tx: Transformation, params: PyTree) -> list[bool]:
+    """For each leaf of ``params``, whether the transformation that updates it needs it whole: per
+    label for a :func:`partition` (its labels resolved on ``params``), the same for every leaf
+    otherwise (see [Note: whole tensors]). A plan that cuts tensors checks it.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import adamw, muon
+        >>> labels = lambda ps: ["m" if p.dim() == 2 else "a" for p in ps]
+        >>> tx = partition({"m": muon(), "a": adamw()}, labels)
+        >>> whole_tensor_mask(tx, [torch.zeros(2, 2), torch.zeros(2)])
+        [True, False]
+    """
+    rule = _PARTITIONS.get(tx.update)
+    if rule is not None:
+        return rule(params)
+    return [needs_whole_tensors(tx)] * len(tree_leaves(params))

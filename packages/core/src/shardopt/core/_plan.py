@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,7 +12,7 @@ from typing import Any
 
 from shardopt.core._plan_input import collect_specs
 from shardopt.core._plan_io import plan_fields, plan_to_dict
-from shardopt.core._plan_layout import assign_greedy, layout_flat, layout_greedy
+from shardopt.core._plan_layout import assign_owners, layout_flat, layout_greedy, layout_mixed
 from shardopt.core._plan_spec import (
     Bucket,
     FlatGroup,
@@ -43,7 +43,7 @@ _STRATEGIES = tuple(s.value for s in Strategy)
 # FLAT aligns every shard to 16 elements (64 bytes of float32, 32 of bfloat16), so each rank's
 # slice of the flat buffer starts where vectorised kernels and NCCL like it. GREEDY mirrors torch's
 # ZeroRedundancyOptimizer, which pads nothing, so it defaults to 1.
-DEFAULT_ALIGN = {Strategy.FLAT: 16, Strategy.GREEDY: 1}
+DEFAULT_ALIGN = {Strategy.FLAT: 16, Strategy.GREEDY: 1, Strategy.MIXED: 1}
 
 # [Note: plan validation]
 # A Plan can come from anywhere (``from_dict`` of a file, another rank, a hand-written test), so
@@ -138,15 +138,22 @@ class Plan:
                 self.tensors, numels, self.world_size, self.align, self.bucket_numel
             )
         else:
-            owners = check_ints("Plan", "owners", self.owners, 0)
+            mixed = self.strategy is Strategy.MIXED
+            owners = check_ints("Plan", "owners", self.owners, -1 if mixed else 0)
             object.__setattr__(self, "owners", owners)
             if len(owners) != len(self.tensors) or max(owners) >= self.world_size:
                 raise ValueError(
                     f"Plan: expected one owner < world_size={self.world_size} per tensor, "
                     f"got {short(owners)} for {len(self.tensors)} tensors"
                 )
-            expected = layout_greedy(
-                self.tensors, numels, owners, self.world_size, self.align, self.bucket_numel
+            if mixed and self.align != 1:
+                raise ValueError(f"Plan: expected align=1 for strategy 'mixed', got {self.align}")
+            expected = (
+                layout_mixed(self.tensors, numels, owners, self.world_size, self.bucket_numel)
+                if mixed
+                else layout_greedy(
+                    self.tensors, numels, owners, self.world_size, self.align, self.bucket_numel
+                )
             )
         if len(self.groups) != len(expected):
             raise ValueError(
@@ -199,6 +206,18 @@ class Plan:
                 base += bucket.shards[rank]
         return tuple(out)
 
+    def is_whole(self, tensor: int) -> bool:
+        """Whether one rank owns ``tensors[tensor]`` whole (greedy; mixed, where it has an owner).
+
+        Example:
+            >>> specs = [((2, 3), "float32"), ((4,), "float32")]
+            >>> matrix = lambda t: len(t.shape) == 2
+            >>> plan = plan_partition(specs, 2, strategy="mixed", whole=matrix)
+            >>> plan.is_whole(0), plan.is_whole(1), plan.owners
+            (True, False, (0, -1))
+        """
+        return self.owners is not None and self.owners[tensor] >= 0
+
     def locate(self, tensor: int) -> tuple[int, int, int]:
         """(group, bucket, offset in the group's flat buffer) of ``tensors[tensor]``.
 
@@ -236,9 +255,11 @@ class Plan:
             ranks: Iterable[int] = range(
                 (begin - bucket.start) // n, (end - 1 - bucket.start) // n + 1
             )
-        else:  # greedy: the owner's shard holds the whole tensor
-            assert self.owners is not None
+        elif self.owners[tensor] >= 0:  # greedy or mixed: the owner's shard holds it whole
             ranks = (self.owners[tensor],)
+        else:  # cut by a mixed plan: the shards it overlaps
+            stops = list(itertools.accumulate(bucket.shards, initial=bucket.start))
+            ranks = [r for r in range(self.world_size) if stops[r] < end and begin < stops[r + 1]]
         out = []
         for rank in ranks:
             lo = bucket.shard_start(rank)
@@ -354,6 +375,7 @@ def plan_partition(
     align: int | None = None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     cost: Callable[[TensorSpec], float] | None = None,
+    whole: Callable[[TensorSpec], bool] | None = None,
 ) -> Plan:
     """Plans which rank owns which elements of ``tensors``, for ``world_size`` ranks.
 
@@ -363,16 +385,19 @@ def plan_partition(
             with ``"params"`` like torch.optim's. TensorSpecs in a flat sequence keep their
             ``param_group`` (so ``plan_partition(plan.tensors, w)`` re-plans a plan).
         world_size: the number of ranks, >= 1.
-        strategy: ``"flat"`` (equal contiguous slices, tensors may straddle ranks) or
-            ``"greedy"`` (whole tensors, torch ZeroRedundancyOptimizer's assignment); see
+        strategy: ``"flat"`` (equal contiguous slices, tensors may straddle ranks),
+            ``"greedy"`` (whole tensors, torch ZeroRedundancyOptimizer's assignment) or
+            ``"mixed"`` (the tensors ``whole`` picks whole, the others cut); see
             [Note: plan layout].
         align: shard alignment in elements; 16 for flat and 1 for greedy by default
             (see [Note: default alignment]).
         bucket_numel: the elements of one bucket, all ranks together (see [Note: plan layout]
             and [Note: default bucket size]); None: one bucket per group.
-        cost: greedy only: balance ``cost(spec)`` instead of torch's element counts, e.g.
-            ``lambda t: newton_schulz_flops(t.shape)`` for Muon, whose ranks own whole
-            matrices (see [Note: balancing a cost]).
+        cost: greedy and mixed: balance ``cost(spec)`` of the whole tensors instead of
+            torch's element counts, e.g. ``lambda t: newton_schulz_flops(t.shape)`` for Muon,
+            whose ranks own whole matrices (see [Note: balancing a cost]).
+        whole: mixed only, and required there: which tensors one rank owns whole (the
+            matrices Muon updates, say ``lambda t: len(t.shape) == 2 and t.shape[0] < 50000``).
 
     Returns:
         A frozen, validated :class:`Plan`.
@@ -394,19 +419,20 @@ def plan_partition(
         check_int(api, "bucket_numel", bucket_numel, 1)
     specs = collect_specs(api, tensors)
     numels = [t.numel for t in specs]
-    if cost is not None and strategy is not Strategy.GREEDY:
+    if cost is not None and strategy is Strategy.FLAT:
+        raise ValueError(f"{api}: expected cost only with strategy 'greedy' or 'mixed', got 'flat'")
+    if (whole is not None) != (strategy is Strategy.MIXED):
         raise ValueError(
-            f"{api}: expected cost only with strategy='greedy', got {strategy.value!r}"
+            f"{api}: expected whole with strategy 'mixed' (and only there), got "
+            f"whole={whole!r} with strategy {strategy.value!r}"
         )
     if strategy is Strategy.FLAT:
         groups = layout_flat(specs, numels, world_size, align, bucket_numel)
         return Plan(strategy, world_size, align, specs, groups, None, bucket_numel)
-    if cost is None:
-        owners = assign_greedy(numels, [t.param_group for t in specs], world_size)
+    owned = [bool(whole(t)) for t in specs] if whole is not None else [True] * len(specs)
+    owners = assign_owners(api, specs, owned, world_size, cost)
+    if strategy is Strategy.MIXED:
+        groups = layout_mixed(specs, numels, owners, world_size, bucket_numel)
     else:
-        costs = [float(cost(t)) for t in specs]
-        if not all(math.isfinite(c) and c >= 0 for c in costs):
-            raise ValueError(f"{api}: expected finite costs >= 0, got {short(costs)}")
-        owners = assign_greedy(costs, [0] * len(specs), world_size)
-    groups = layout_greedy(specs, numels, owners, world_size, align, bucket_numel)
+        groups = layout_greedy(specs, numels, owners, world_size, align, bucket_numel)
     return Plan(strategy, world_size, align, specs, groups, owners, bucket_numel)

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
-from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec
+from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec, short
 
-__all__ = ["assign_greedy", "cut_buckets", "group_keys", "layout_flat", "layout_greedy"]
+__all__ = [
+    "assign_greedy",
+    "assign_owners",
+    "cut_buckets",
+    "group_keys",
+    "layout_flat",
+    "layout_greedy",
+    "layout_mixed",
+]
 
 # [Note: plan layout]
-# Both strategies produce the same thing: one flat buffer per (dtype, device) group, in order of
+# Every strategy produces the same thing: one flat buffer per (dtype, device) group, in order of
 # first appearance, cut into buckets, and each bucket into one shard per rank ("bucket-major"):
 # rank r owns shard r of every bucket. A bucket is a run of whole tensors, formed walking the
 # group's tensors from the last (the first whose gradients backward produces) and closed once it
@@ -27,6 +36,15 @@ __all__ = ["assign_greedy", "cut_buckets", "group_keys", "layout_flat", "layout_
 #   bucket's tensors owner by owner (rank 0's first, each rank's in their given order); shard r
 #   holds exactly rank r's tensors (rounded up to ``align``, 1 by default): no tensor straddles
 #   ranks and nothing is padded to the largest rank.
+# - MIXED owns some tensors whole (``owners[i]``, a rank) and cuts the others (``owners[i] ==
+#   -1``) like FLAT: for optimizers that need whole matrices (Muon) beside elementwise ones (AdamW
+#   for embeddings, norms and biases). The bucket is laid out rank by rank: rank r's whole tensors,
+#   then cut tensors, in their given order, until the shard holds ``max(its whole tensors, L)``
+#   elements, L the water level at which the bucket's elements fill every shard so
+#   (``_water_level``); shard r ends there, inside the last cut tensor placed (which so
+#   straddles ranks r and r + 1), or where its whole tensors end if they alone pass the mark. Each
+#   whole tensor lies inside its owner's shard, each cut tensor is contiguous, and the shards are
+#   as equal as the whole tensors allow. No alignment (align is 1) and no padding.
 # The layout is a pure function of (tensors, world_size, align, bucket_numel, owners), which is
 # how a Plan validates itself (see [Note: plan validation]). All of it is O(n log n) in the
 # number of tensors plus O(world_size) per bucket: no per-element work.
@@ -75,6 +93,29 @@ def assign_greedy(
             total, rank = heap[0]
             owners[i] = rank
             heapq.heapreplace(heap, (total + numels[i], rank))
+    return tuple(owners)
+
+
+def assign_owners(
+    api: str,
+    specs: Sequence[TensorSpec],
+    owned: list[bool],
+    world_size: int,
+    cost: Callable[[TensorSpec], float] | None,
+) -> tuple[int, ...]:
+    """The owner of each tensor ``owned`` says is whole (-1 for the others): torch's rule by
+    element counts, or the LPT rule by ``cost`` ([Note: balancing a cost])."""
+    picked = [i for i, o in enumerate(owned) if o]
+    if cost is None and all(owned):
+        numels = [t.numel for t in specs]
+        return assign_greedy(numels, [t.param_group for t in specs], world_size)
+    measure = cost or (lambda t: t.numel)
+    costs = [float(measure(specs[i])) for i in picked]
+    if not all(math.isfinite(c) and c >= 0 for c in costs):
+        raise ValueError(f"{api}: expected finite costs >= 0, got {short(costs)}")
+    owners = [-1] * len(specs)
+    for i, rank in zip(picked, assign_greedy(costs, [0] * len(picked), world_size)):
+        owners[i] = rank
     return tuple(owners)
 
 
@@ -194,3 +235,87 @@ def layout_greedy(
             FlatGroup(dtype, device, tuple(order), tuple(offsets), tuple(buckets), world_size)
         )
     return tuple(groups)
+
+
+def layout_mixed(
+    tensors: Sequence[TensorSpec],
+    numels: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    bucket_numel: int | None,
+) -> tuple[FlatGroup, ...]:
+    """The MIXED groups of ``tensors`` (sizes ``numels``): ``owners[i]`` owns tensor i whole, or
+    it is cut where the shards fall if -1 (see [Note: plan layout]).
+
+    Example:
+        >>> specs = [TensorSpec((2, 3), "float32", "cpu"), TensorSpec((4,), "float32", "cpu")]
+        >>> g = layout_mixed(specs, [6, 4], (1, -1), 2, None)[0]
+        >>> g.tensors, g.offsets, g.buckets
+        ((1, 0), (0, 4), (Bucket(start=0, shards=(4, 6)),))
+    """
+    keys, group_of = group_keys(tensors)
+    groups = []
+    for (dtype, device), idx in zip(keys, _members(group_of, len(keys))):
+        order: list[int] = []
+        offsets: list[int] = []
+        buckets: list[Bucket] = []
+        start = 0
+        for run in cut_buckets(idx, numels, bucket_numel):
+            shards = _mixed_bucket(run, numels, owners, world_size, start, order, offsets)
+            buckets.append(Bucket(start, shards))
+            start += sum(shards)
+        groups.append(
+            FlatGroup(dtype, device, tuple(order), tuple(offsets), tuple(buckets), world_size)
+        )
+    return tuple(groups)
+
+
+def _mixed_bucket(
+    run: Sequence[int],
+    numels: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    start: int,
+    order: list[int],
+    offsets: list[int],
+) -> tuple[int, ...]:
+    """Lays out one MIXED bucket (appending to ``order`` and ``offsets``); its shard sizes."""
+    cut = [i for i in run if owners[i] < 0]
+    mine = [[i for i in run if owners[i] == rank] for rank in range(world_size)]
+    wholes = [sum(numels[i] for i in m) for m in mine]
+    level = _water_level(wholes, sum(numels[i] for i in run))
+    pos, bound, j = start, start, 0
+    shards = []
+    for rank in range(world_size):
+        floor = bound  # the shard must hold the rank's whole tensors
+        for i in mine[rank]:
+            order.append(i)
+            offsets.append(pos)
+            pos += numels[i]
+            floor = pos
+        mark = bound + max(wholes[rank], level)
+        while j < len(cut) and (pos < mark or rank == world_size - 1):
+            order.append(cut[j])
+            offsets.append(pos)
+            pos += numels[cut[j]]
+            j += 1
+        end = pos if rank == world_size - 1 else min(max(mark, floor), pos)
+        shards.append(end - bound)
+        bound = end
+    return tuple(shards)
+
+
+def _water_level(wholes: Sequence[int], total: int) -> int:
+    """The shard size L that ``total`` elements fill when each rank holds ``max(wholes[r], L)``:
+    ranks whose whole tensors pass the level keep just those, the others share the rest.
+
+    Example:
+        >>> _water_level([128, 128, 0, 0], 395), _water_level([0, 0], 7)
+        (70, 4)
+    """
+    rest, ranks = total, len(wholes)
+    for w in sorted(wholes, reverse=True):
+        if w * ranks <= rest:
+            break
+        rest, ranks = rest - w, ranks - 1
+    return -(-rest // ranks) if ranks else 0

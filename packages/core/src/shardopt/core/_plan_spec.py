@@ -36,6 +36,7 @@ class Strategy(str, Enum):
 
     GREEDY = "greedy"
     FLAT = "flat"
+    MIXED = "mixed"
 
 
 def short(value: object) -> str:

@@ -76,7 +76,7 @@ class StagedSync:
         """The tensor of a one-tensor bucket (broadcast in place), else None."""
         grp = self.plan.groups[g]
         inside = [t for t, o in zip(grp.tensors, grp.offsets) if bucket.start <= o < bucket.stop]
-        return inside[0] if len(inside) == 1 and self.plan.owners is not None else None
+        return inside[0] if len(inside) == 1 and self.plan.is_whole(inside[0]) else None
 
     def sync(self) -> None:
         """Every parameter from its owner; returns when all have arrived."""

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
-from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves
+from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves, whole_tensor_mask
 from shardopt.functional._clip import (
     Health,
     clip_coefficient,
@@ -232,13 +232,9 @@ def _init(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error: str | BaseException | None = check_params(plan, params, world)
     whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
-    if whole and plan.owners is None:
-        error = error or (
-            "a plan of whole tensors (strategy='greedy') for a transformation that needs them "
-            "(Muon, Adafactor), got a flat plan, whose pieces are slices"
-        )
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
+        error = error or (_cut_for_whole(tx, plan) if whole else None)
         dtypes = _piece_dtypes(plan, opts)
         probed = probe_fields(tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes])
         computes = probe_updates(tx, dtypes)
@@ -271,19 +267,50 @@ def _init(
     return ShardedState(inner, fields, layout, master, reducer, None)
 
 
+def _cut_for_whole(tx: Transformation, plan: Plan) -> str | None:
+    """Why ``plan`` cannot run ``tx``, which needs whole tensors, or None: a flat plan, or a
+    mixed one cutting a tensor that ``tx`` updates whole (see [Note: whole matrices])."""
+    if plan.owners is None:
+        return (
+            "a plan of whole tensors (strategy='greedy' or 'mixed') for a transformation that "
+            "needs them (Muon, Adafactor), got a flat plan, whose pieces are slices"
+        )
+    presented = [
+        torch.empty(spec.shape if plan.is_whole(t) else (spec.numel,), device="meta")
+        for t, spec in enumerate(plan.tensors)
+    ]
+    cut = [t for t, w in enumerate(whole_tensor_mask(tx, presented)) if w and not plan.is_whole(t)]
+    if not cut:
+        return None
+    return (
+        f"every tensor updated by a transformation that needs it whole to be owned whole, got "
+        f"tensors {cut[:8]} cut by the mixed plan (give them to whole=, or to an "
+        "elementwise optimizer)"
+    )
+
+
 # [Note: whole matrices]
 # Muon and Adafactor (core's [Note: whole tensors]) step whole matrices, so they are sharded by a
-# greedy plan, whose pieces are whole tensors (``plan_partition(..., strategy="greedy",
-# cost=...)`` balances their cost): the owner of a matrix receives its averaged gradient by the
-# same bucketed reduce-scatter, updates it with the transformation's pure update on views in the
-# matrix's shape (``update_whole_``; the state is in those shapes too), and the same all-gather
-# sends it back. A flat plan is refused at init.
+# plan that owns those matrices whole: greedy (every tensor whole) or mixed (the tensors its
+# ``whole`` picks whole, the others cut as a flat plan cuts them; ``cost=...`` balances the whole
+# ones). The owner of a matrix receives its averaged gradient by the same bucketed reduce-scatter,
+# updates it with the transformation's pure update on views in the matrix's shape
+# (``update_whole_``; the state is in those shapes too), and the same all-gather sends it back.
+# Cut tensors reach the transformation as 1-D slices, so a ``partition`` labelling by ``dim()``
+# sends them to its elementwise optimizer (Muon with AdamW). At init, ``whole_tensor_mask`` says
+# which tensors the transformation updates whole, as they will be presented; a plan that cuts one
+# (a flat plan; a mixed plan whose ``whole`` leaves out Adafactor's vectors) is refused on every
+# rank, since a slice would be updated as if it were the tensor, without an error.
 
 
 def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
-    """Each piece's view in its tensor's shape (pieces of greedy plans are whole tensors)."""
-    shapes = [layout.plan.tensors[p.tensor].shape for p in layout.pieces]
-    return [v if v is None else v.view(shape) for v, shape in zip(views, shapes)]
+    """Each piece's view in its tensor's shape where the plan owns it whole; 1-D (as it comes)
+    where a mixed plan cuts it."""
+    plan = layout.plan
+    return [
+        v.view(plan.tensors[p.tensor].shape) if v is not None and plan.is_whole(p.tensor) else v
+        for v, p in zip(views, layout.pieces)
+    ]
 
 
 def _grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import InjectHyperparamsState, Transformation, update_flat_
+from shardopt.core import InjectHyperparamsState, Piece, Plan, Transformation, update_flat_
 from shardopt.core.blocks import needs_whole_tensors, update_whole_
 from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
@@ -67,6 +67,10 @@ def _copy_master(layout: FlatLayout, master: Sequence[torch.Tensor | None], key:
             layout.bucket_shard(key).copy_(layout.compact(master, key))  # type: ignore[arg-type]
 
 
+def _shape(plan: Plan, piece: Piece) -> tuple[int, ...]:
+    return plan.tensors[piece.tensor].shape if plan.is_whole(piece.tensor) else (piece.numel,)
+
+
 def update_and_sync(
     tx: Transformation,
     inner: Any,
@@ -87,8 +91,8 @@ def update_and_sync(
             params[i] = m[p.offset : p.offset + p.numel]
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
     sliceable = _sliceable(inner, len(params)) and not layout.deferred and not whole
-    if whole:
-        shapes = [layout.plan.tensors[p.tensor].shape for p in layout.pieces]
+    if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
+        shapes = [_shape(layout.plan, p) for p in layout.pieces]
         update_whole_(
             tx,
             [p.view(s) for p, s in zip(params, shapes)],

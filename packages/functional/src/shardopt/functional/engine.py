@@ -4,8 +4,9 @@
 this module exports what an optimizer built on the engine needs besides (``shardopt.optim``'s
 ZeroRedundancyOptimizer and model averagers use nothing else): the layout and its parameter
 syncs, the groups of a device mesh ([Note: hybrid sharding]), the cross-rank agreement
-([Note: cross-rank validation]), the torch names and per-piece
-views of a sharded state, and the local-SGD schedule and averaging helpers.
+([Note: cross-rank validation]), the torch names and per-piece views of a sharded state
+(``shaped``: in their tensors' shapes where the plan owns them whole), and the local-SGD
+schedule and averaging helpers.
 """
 
 from shardopt.functional._checkpoint_keys import field_keys, has_state, piece_value
@@ -20,6 +21,7 @@ from shardopt.functional._local_sgd import (
 )
 from shardopt.functional._mesh import MeshGroups, mesh_groups
 from shardopt.functional._param_sync import StagedSync, broadcast_tensors
+from shardopt.functional._shard import shaped
 from shardopt.functional._state import init_values, piece_slots, probe_fields
 from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 
@@ -45,4 +47,5 @@ __all__ = [
     "piece_value",
     "probe_fields",
     "resolve_group",
+    "shaped",
 ]

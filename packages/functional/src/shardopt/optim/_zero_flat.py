@@ -21,7 +21,7 @@ from shardopt.core import (
 )
 from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional import ShardedState, ShardedTransformation, shard
-from shardopt.functional.engine import ProcessGroup, init_values, probe_fields
+from shardopt.functional.engine import ProcessGroup, init_values, probe_fields, shaped
 from shardopt.optim._core_mapping import plan_local_optimizer
 from shardopt.optim._zero_flat_state import (
     consolidate_flat,
@@ -114,9 +114,7 @@ class _Unit:
         self.fields = self.structure(self.factory(**kwargs))
         self.state: ShardedState = self.sharded.init(params)
         self.pieces = self.state.layout.param_views()
-        if plan.owners is not None:  # whole tensors: views in their shapes
-            shapes = [plan.tensors[p.tensor].shape for p in self.state.layout.pieces]
-            self.pieces = [v.view(shape) for v, shape in zip(self.pieces, shapes)]
+        self.pieces = shaped(self.state.layout, self.pieces)  # whole tensors in their shapes
         self._initial: tuple[Any, dict[str, list[float]]] = (None, {})
 
     def structure(self, tx: Transformation) -> dict[str, Any]:

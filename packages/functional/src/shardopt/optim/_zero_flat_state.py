@@ -47,7 +47,7 @@ def piece_entries(state: ShardedState) -> dict[int, dict[str, torch.Tensor]]:
         if not has_state(keys, count):
             continue
         entry = {key: piece_value(f, layout, k, slots) for f, key, kept in keys.entries if kept}
-        if plan.owners is not None:  # whole tensors: in their shapes
+        if plan.is_whole(piece.tensor):  # in its shape
             shape = plan.tensors[piece.tensor].shape
             entry = {key: v if v.dim() == 0 else v.view(shape) for key, v in entry.items()}
         entry.update({s.key: t for s in keys.shaped if (t := s.tensors[k]) is not None})

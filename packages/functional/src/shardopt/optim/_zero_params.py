@@ -204,7 +204,7 @@ def check_options(
             f"{API}: expected a torch.optim.Optimizer class as optimizer_class, got "
             f"{_kind(optimizer_class)}"
         )
-    names = tuple(p.value for p in Strategy)
+    names = (Strategy.GREEDY.value, Strategy.FLAT.value)  # flat plans Muon's groups whole itself
     if not isinstance(partition, str) or partition not in names:
         raise ValueError(f"{API}: expected partition in {names}, got {partition!r}")
     flags = {
