@@ -103,6 +103,7 @@ def bench(session: nox.Session) -> None:
         "bench_gloo_collectives.py",
         "bench_iteration_floor.py",
         "bench_state_dtype.py",
+        "bench_muon_balance.py",
     ):
         session.run(python, f"benchmarks/{script}", env=env, external=True)
     shardopt = os.path.join(bin_dir, "shardopt")
