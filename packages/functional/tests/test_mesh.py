@@ -348,3 +348,30 @@ def test_a_tensor_parallel_state_not_spanning_the_world_is_refused_by_its_ranks(
         assert message.startswith("save_checkpoint: expected a tensor-parallel or hybrid state")
         assert "got 2 ranks" in message
     assert not (tmp_path / "ckpt").exists()
+
+
+def muon_on_tensor_parallel(rank: int, world: int) -> str:
+    from shardopt.core import muon, newton_schulz_flops, partition
+
+    mesh, model = tensor_parallel_mlp()
+    params = list(model.parameters())
+    tx = partition(
+        {"muon": muon(), "adamw": adamw()},
+        lambda ps: ["muon" if p.dim() == 2 else "adamw" for p in ps],
+    )
+    cost = lambda t: newton_schulz_flops(t.shape)  # noqa: E731
+    plan = plan_partition(params, 2, strategy="greedy", cost=cost)
+    try:
+        shard(tx, plan, group=mesh["dp"]).init(params)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_muon_on_matrices_split_by_tensor_parallelism_is_refused_on_every_rank(run_world):
+    """Newton-Schulz of a local shard is not a shard of the matrix's: refused, not diverged."""
+    for message in run_world(muon_on_tensor_parallel, 4):
+        assert message.startswith(
+            "shard: expected every tensor updated by a transformation that needs it whole to be "
+            "whole on its rank, got tensors [0, 2] split by tensor parallelism"
+        )

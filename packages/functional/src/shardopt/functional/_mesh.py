@@ -21,6 +21,7 @@ __all__ = [
     "GlobalPlace",
     "MeshGroups",
     "global_places",
+    "is_split",
     "local_tensors",
     "mesh_groups",
     "tensor_parallel",
@@ -94,14 +95,21 @@ def mesh_groups(api: str, group: Any) -> MeshGroups:
 # their group too ([Note: tensor-parallel norms]).
 
 
+def is_split(p: Any) -> bool:
+    """Whether ``p`` is a DTensor sharded over its mesh (tensor parallelism): its local tensor is
+    a part of it."""
+    mesh: Any = getattr(p, "device_mesh", None)
+    return mesh is not None and any(pl.is_shard() for pl in p.placements)
+
+
 def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel | None:
     """Which of the layout's pieces belong to DTensors sharded over a tensor-parallel group,
     and that group; None without any (see [Note: tensor-parallel norms])."""
     groups, flags = set(), []
     for p in params:
-        mesh: Any = getattr(p, "device_mesh", None)
-        cut = mesh is not None and any(pl.is_shard() for pl in p.placements)
+        cut = is_split(p)
         if cut:
+            mesh: Any = p.device_mesh
             if mesh.ndim != 1:
                 raise ValueError(
                     f"shard: expected DTensor parameters on 1-D meshes, got one on {mesh}"

@@ -24,6 +24,7 @@ from shardopt.functional._layout import FlatLayout, build_layout
 from shardopt.functional._mesh import (
     MeshGroups,
     global_places,
+    is_split,
     local_tensors,
     mesh_groups,
     tensor_parallel,
@@ -206,7 +207,8 @@ def shard(
     groups = mesh_groups("shard", group)
 
     def init(params: PyTree) -> ShardedState:
-        state = _init(tx, plan, opts, groups, local_tensors(params))
+        split = [is_split(p) for p in tree_leaves(params)]
+        state = _init(tx, plan, opts, groups, local_tensors(params), split)
         state.layout.tensor_parallel = tensor_parallel(tree_leaves(params), state.layout)
         state.layout.global_places = global_places(tree_leaves(params))
         return state
@@ -226,7 +228,12 @@ def _piece_dtypes(plan: Plan, opts: ShardOptions) -> list[torch.dtype]:
 
 
 def _init(
-    tx: Transformation, plan: Plan, opts: ShardOptions, groups: MeshGroups, params: list[Any]
+    tx: Transformation,
+    plan: Plan,
+    opts: ShardOptions,
+    groups: MeshGroups,
+    params: list[Any],
+    split: list[bool],
 ) -> ShardedState:
     group = groups.shard
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -234,7 +241,7 @@ def _init(
     whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
-        error = error or (_cut_for_whole(tx, plan) if whole else None)
+        error = error or (_cut_for_whole(tx, plan, split) if whole else None)
         dtypes = _piece_dtypes(plan, opts)
         probed = probe_fields(tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes])
         computes = probe_updates(tx, dtypes)
@@ -267,9 +274,10 @@ def _init(
     return ShardedState(inner, fields, layout, master, reducer, None)
 
 
-def _cut_for_whole(tx: Transformation, plan: Plan) -> str | None:
-    """Why ``plan`` cannot run ``tx``, which needs whole tensors, or None: a flat plan, or a
-    mixed one cutting a tensor that ``tx`` updates whole (see [Note: whole matrices])."""
+def _cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str | None:
+    """Why ``plan`` cannot run ``tx``, which needs whole tensors, or None: a flat plan, a mixed
+    one cutting a tensor that ``tx`` updates whole, or such a tensor split by tensor parallelism
+    (``split``: DTensors with a Shard placement; see [Note: whole matrices])."""
     if plan.owners is None:
         return (
             "a plan of whole tensors (strategy='greedy' or 'mixed') for a transformation that "
@@ -279,7 +287,15 @@ def _cut_for_whole(tx: Transformation, plan: Plan) -> str | None:
         torch.empty(spec.shape if plan.is_whole(t) else (spec.numel,), device="meta")
         for t, spec in enumerate(plan.tensors)
     ]
-    cut = [t for t, w in enumerate(whole_tensor_mask(tx, presented)) if w and not plan.is_whole(t)]
+    mask = whole_tensor_mask(tx, presented)
+    parts = [t for t, w in enumerate(mask) if w and t < len(split) and split[t]]
+    if parts:
+        return (
+            "every tensor updated by a transformation that needs it whole to be whole on its "
+            f"rank, got tensors {parts[:8]} split by tensor parallelism (DTensor Shard "
+            "placements): Newton-Schulz or row means of a shard are not those of the matrix"
+        )
+    cut = [t for t, w in enumerate(mask) if w and not plan.is_whole(t)]
     if not cut:
         return None
     return (
@@ -299,8 +315,9 @@ def _cut_for_whole(tx: Transformation, plan: Plan) -> str | None:
 # Cut tensors reach the transformation as 1-D slices, so a ``partition`` labelling by ``dim()``
 # sends them to its elementwise optimizer (Muon with AdamW). At init, ``whole_tensor_mask`` says
 # which tensors the transformation updates whole, as they will be presented; a plan that cuts one
-# (a flat plan; a mixed plan whose ``whole`` leaves out Adafactor's vectors) is refused on every
-# rank, since a slice would be updated as if it were the tensor, without an error.
+# (a flat plan; a mixed plan whose ``whole`` leaves out Adafactor's vectors), or one whose tensor
+# tensor parallelism splits (a DTensor with a Shard placement: its local tensor is a part), is
+# refused on every rank, since a part would be updated as if it were the tensor, without an error.
 
 
 def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
