@@ -48,14 +48,14 @@ DEFAULT_ALIGN = {Strategy.FLAT: 16, Strategy.GREEDY: 1, Strategy.MIXED: 1}
 # [Note: plan validation]
 # A Plan can come from anywhere (``from_dict`` of a file, another rank, a hand-written test), so
 # ``__post_init__`` checks it completely: field types and ranges first (GREEDY: one owner per
-# tensor, a rank), then that ``groups`` are exactly the layout of [Note: plan layout]. Any owners
-# make a valid plan: torch's rule by element counts is ``plan_partition``'s default, a ``cost``
-# gives others (Muon's flops order tensors otherwise than their sizes), and a plan read back
-# keeps the owners it was written with. The layout being a pure function of (tensors,
-# world_size, align, owners), the simplest complete check is to rebuild it and compare; the first
-# difference is reported.
-# Every property the sharded layer relies on follows: each element of each tensor is owned by
-# exactly one rank, slices are equal and aligned, offsets are consistent.
+# tensor, a rank; MIXED: a rank or -1 for a cut tensor), then that ``groups`` are exactly the layout
+# of [Note: plan layout]. Any owners make a valid plan: torch's rule by element counts is
+# ``plan_partition``'s default, a ``cost`` gives others (Muon's flops order tensors otherwise than
+# their sizes), and a plan read back keeps the owners it was written with. The layout being a pure
+# function of (tensors, world_size, align, owners), the simplest complete check is to rebuild it and
+# compare; the first difference is reported. Every property the sharded layer relies on follows:
+# each element of each tensor is owned by exactly one rank, flat slices are equal and aligned,
+# offsets are consistent.
 
 # [Note: default bucket size]
 # ``bucket_numel`` counts the elements of one bucket, all ranks together: one collective's whole

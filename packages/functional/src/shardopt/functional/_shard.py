@@ -35,7 +35,7 @@ from shardopt.functional._state import (
     flatten_state,
     probe_fields,
 )
-from shardopt.functional._update import update_and_sync
+from shardopt.functional._update import shaped, update_and_sync
 from shardopt.functional._validate import (
     agree_across_ranks,
     check_grads,
@@ -318,16 +318,6 @@ def _cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str
 # (a flat plan; a mixed plan whose ``whole`` leaves out Adafactor's vectors), or one whose tensor
 # tensor parallelism splits (a DTensor with a Shard placement: its local tensor is a part), is
 # refused on every rank, since a part would be updated as if it were the tensor, without an error.
-
-
-def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
-    """Each piece's view in its tensor's shape where the plan owns it whole; 1-D (as it comes)
-    where a mixed plan cuts it."""
-    plan = layout.plan
-    return [
-        v.view(plan.tensors[p.tensor].shape) if v is not None and plan.is_whole(p.tensor) else v
-        for v, p in zip(views, layout.pieces)
-    ]
 
 
 def _grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:

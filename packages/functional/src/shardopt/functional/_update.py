@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import InjectHyperparamsState, Piece, Plan, Transformation, update_flat_
+from shardopt.core import InjectHyperparamsState, Transformation, update_flat_
 from shardopt.core.blocks import needs_whole_tensors, update_whole_
 from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
 
-__all__ = ["update_and_sync"]
+__all__ = ["shaped", "update_and_sync"]
 
 # [Note: update and gather pipeline]
 # The rank's pieces are updated through core's flat fast path (``update_flat_``) one bucket at a
@@ -67,8 +67,14 @@ def _copy_master(layout: FlatLayout, master: Sequence[torch.Tensor | None], key:
             layout.bucket_shard(key).copy_(layout.compact(master, key))  # type: ignore[arg-type]
 
 
-def _shape(plan: Plan, piece: Piece) -> tuple[int, ...]:
-    return plan.tensors[piece.tensor].shape if plan.is_whole(piece.tensor) else (piece.numel,)
+def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
+    """Each piece's view in its tensor's shape where the plan owns it whole; 1-D (as it comes)
+    where a mixed plan cuts it."""
+    plan = layout.plan
+    return [
+        v.view(plan.tensors[p.tensor].shape) if v is not None and plan.is_whole(p.tensor) else v
+        for v, p in zip(views, layout.pieces)
+    ]
 
 
 def update_and_sync(
@@ -92,13 +98,7 @@ def update_and_sync(
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
     sliceable = _sliceable(inner, len(params)) and not layout.deferred and not whole
     if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
-        shapes = [_shape(layout.plan, p) for p in layout.pieces]
-        update_whole_(
-            tx,
-            [p.view(s) for p, s in zip(params, shapes)],
-            [g if g is None else g.view(s) for g, s in zip(grads, shapes)],
-            inner,
-        )
+        update_whole_(tx, shaped(layout, params), shaped(layout, grads), inner)
     elif not sliceable:
         _update(tx, inner, params, grads, 0, len(params))
     for key in layout.keys:

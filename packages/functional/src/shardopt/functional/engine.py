@@ -21,8 +21,8 @@ from shardopt.functional._local_sgd import (
 )
 from shardopt.functional._mesh import MeshGroups, mesh_groups
 from shardopt.functional._param_sync import StagedSync, broadcast_tensors
-from shardopt.functional._shard import shaped
 from shardopt.functional._state import init_values, piece_slots, probe_fields
+from shardopt.functional._update import shaped
 from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = [
