@@ -405,3 +405,46 @@ def test_adamw_on_a_mixed_plan_matches_torch_and_consolidates_to_its_dict(run_wo
     for params, _ in results:
         for p, e in zip(params, model.parameters()):
             torch.testing.assert_close(p, e.detach(), rtol=1e-5, atol=1e-6)
+
+
+def bf16_adafactor(rank: int, world: int, sd: Any) -> Any:
+    """Adafactor with bfloat16 state on a greedy plan: 3 steps consolidated, or ``sd`` loaded
+    into a fresh state and consolidated back."""
+    from shardopt.core import with_state_dtype
+    from shardopt.functional import consolidate_state_dict, load_torch_state_dict
+
+    model = with_biases()
+    params = list(model.parameters())
+    tx = with_state_dtype(adafactor(lr=0.01), torch.bfloat16)
+    sharded = shard(tx, plan_partition(params, world, strategy="greedy"))
+    state = sharded.init(params)
+    if sd is not None:
+        load_torch_state_dict(state, sd)
+    for step in range(3) if sd is None else ():
+        x, y = model_batch("adafactor", step)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    return consolidate_state_dict(state)
+
+
+def test_bfloat16_factored_state_consolidates_in_bfloat16_at_any_world_size(run_world):
+    """The dtypes of shaped state travel with it ([Note: shaped state]): W = 1 and W = 3 give the
+    same dict bitwise, in bfloat16, and a dict loaded at W = 2 consolidates back unchanged."""
+    one = run_world(bf16_adafactor, 1, None)[0]
+    three = run_world(bf16_adafactor, 3, None)[0]
+    back = run_world(bf16_adafactor, 2, one)[0]
+    dtypes = {k: v.dtype for e in one["state"].values() for k, v in e.items()}
+    assert dtypes == {
+        "step": torch.float32,
+        "row_var": torch.bfloat16,
+        "col_var": torch.bfloat16,
+        "variance": torch.bfloat16,
+    }
+    for other in (three, back):
+        assert list(other["state"]) == list(one["state"])
+        for i, entry in one["state"].items():
+            assert list(other["state"][i]) == list(entry)
+            for key, value in entry.items():
+                assert other["state"][i][key].dtype == value.dtype
+                assert torch.equal(other["state"][i][key], value), (i, key)
