@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
-from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves, whole_tensor_mask
+from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves
 from shardopt.functional._clip import (
     Health,
     clip_coefficient,
@@ -35,7 +35,7 @@ from shardopt.functional._state import (
     flatten_state,
     probe_fields,
 )
-from shardopt.functional._update import shaped, update_and_sync
+from shardopt.functional._update import cut_for_whole, shaped, update_and_sync
 from shardopt.functional._validate import (
     agree_across_ranks,
     check_grads,
@@ -241,7 +241,7 @@ def _init(
     whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
-        error = error or (_cut_for_whole(tx, plan, split) if whole else None)
+        error = error or (cut_for_whole(tx, plan, split) if whole else None)
         dtypes = _piece_dtypes(plan, opts)
         probed = probe_fields(tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes])
         computes = probe_updates(tx, dtypes)
@@ -272,37 +272,6 @@ def _init(
     if opts.reduces:
         reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)
     return ShardedState(inner, fields, layout, master, reducer, None)
-
-
-def _cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str | None:
-    """Why ``plan`` cannot run ``tx``, which needs whole tensors, or None: a flat plan, a mixed
-    one cutting a tensor that ``tx`` updates whole, or such a tensor split by tensor parallelism
-    (``split``: DTensors with a Shard placement; see [Note: whole matrices])."""
-    if plan.owners is None:
-        return (
-            "a plan of whole tensors (strategy='greedy' or 'mixed') for a transformation that "
-            "needs them (Muon, Adafactor), got a flat plan, whose pieces are slices"
-        )
-    presented = [
-        torch.empty(spec.shape if plan.is_whole(t) else (spec.numel,), device="meta")
-        for t, spec in enumerate(plan.tensors)
-    ]
-    mask = whole_tensor_mask(tx, presented)
-    parts = [t for t, w in enumerate(mask) if w and t < len(split) and split[t]]
-    if parts:
-        return (
-            "every tensor updated by a transformation that needs it whole to be whole on its "
-            f"rank, got tensors {parts[:8]} split by tensor parallelism (DTensor Shard "
-            "placements): Newton-Schulz or row means of a shard are not those of the matrix"
-        )
-    cut = [t for t, w in enumerate(mask) if w and not plan.is_whole(t)]
-    if not cut:
-        return None
-    return (
-        f"every tensor updated by a transformation that needs it whole to be owned whole, got "
-        f"tensors {cut[:8]} cut by the mixed plan (give them to whole=, or to an "
-        "elementwise optimizer)"
-    )
 
 
 # [Note: whole matrices]

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import InjectHyperparamsState, Transformation, update_flat_
-from shardopt.core.blocks import needs_whole_tensors, update_whole_
+from shardopt.core import InjectHyperparamsState, Plan, Transformation, update_flat_
+from shardopt.core.blocks import needs_whole_tensors, update_whole_, whole_tensor_mask
 from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
 
-__all__ = ["shaped", "update_and_sync"]
+__all__ = ["cut_for_whole", "shaped", "update_and_sync"]
 
 # [Note: update and gather pipeline]
 # The rank's pieces are updated through core's flat fast path (``update_flat_``) one bucket at a
@@ -65,6 +65,37 @@ def _copy_master(layout: FlatLayout, master: Sequence[torch.Tensor | None], key:
     if m is not None:
         with torch.no_grad():
             layout.bucket_shard(key).copy_(layout.compact(master, key))  # type: ignore[arg-type]
+
+
+def cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str | None:
+    """Why ``plan`` cannot run ``tx``, which needs whole tensors, or None: a flat plan, a mixed
+    one cutting a tensor that ``tx`` updates whole, or such a tensor split by tensor parallelism
+    (``split``: DTensors with a Shard placement; see [Note: whole matrices])."""
+    if plan.owners is None:
+        return (
+            "a plan of whole tensors (strategy='greedy' or 'mixed') for a transformation that "
+            "needs them (Muon, Adafactor), got a flat plan, whose pieces are slices"
+        )
+    presented = [
+        torch.empty(spec.shape if plan.is_whole(t) else (spec.numel,), device="meta")
+        for t, spec in enumerate(plan.tensors)
+    ]
+    mask = whole_tensor_mask(tx, presented)
+    parts = [t for t, w in enumerate(mask) if w and t < len(split) and split[t]]
+    if parts:
+        return (
+            "every tensor updated by a transformation that needs it whole to be whole on its "
+            f"rank, got tensors {parts[:8]} split by tensor parallelism (DTensor Shard "
+            "placements): Newton-Schulz or row means of a shard are not those of the matrix"
+        )
+    cut = [t for t, w in enumerate(mask) if w and not plan.is_whole(t)]
+    if not cut:
+        return None
+    return (
+        f"every tensor updated by a transformation that needs it whole to be owned whole, got "
+        f"tensors {cut[:8]} cut by the mixed plan (give them to whole=, or to an "
+        "elementwise optimizer)"
+    )
 
 
 def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
