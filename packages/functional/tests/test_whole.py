@@ -448,3 +448,40 @@ def test_bfloat16_factored_state_consolidates_in_bfloat16_at_any_world_size(run_
             for key, value in entry.items():
                 assert other["state"][i][key].dtype == value.dtype
                 assert torch.equal(other["state"][i][key], value), (i, key)
+
+
+def save_recipe(rank: int, world: int, path: str) -> str:
+    """The Muon + AdamW recipe's state, whose per-label lists hold each rank's own pieces."""
+    from shardopt.core import adamw, partition
+    from shardopt.functional import save_checkpoint
+
+    model = with_biases()
+    params = list(model.parameters())
+    tx = partition(
+        {"muon": muon(lr=0.02), "adamw": adamw(lr=1e-3)},
+        lambda ps: ["muon" if p.dim() == 2 else "adamw" for p in ps],
+    )
+    matrix = lambda t: len(t.shape) == 2  # noqa: E731
+    plan = plan_partition(params, world, strategy="mixed", whole=matrix)
+    sharded = shard(tx, plan)
+    state = sharded.init(params)
+    x, y = model_batch("adafactor", 0)
+    nn.functional.mse_loss(model(x), y).backward()
+    state = sharded.step(params, None, state)
+    try:
+        save_checkpoint(state, path)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_partition_state_is_refused_by_save_checkpoint_not_saved_as_one_ranks(
+    run_world, tmp_path
+):
+    """Tensors in partition's per-label lists differ between ranks: saving them as replicated
+    would keep one rank's and load it everywhere. DCP refuses them on every rank instead."""
+    path = tmp_path / "ckpt"
+    for message in run_world(save_recipe, 2, str(path)):
+        assert message.startswith("save_checkpoint: expected ")
+        assert "no error" not in message
+    assert not path.exists()

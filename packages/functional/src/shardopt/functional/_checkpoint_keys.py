@@ -200,10 +200,22 @@ def _piece_lists(state: ShardedState) -> dict[str, tuple[torch.Tensor | None, ..
     return {pytree.keystr(p): tuple(x) for p, x in leaves if is_list(x)}
 
 
+def _in_list(tree: Any, path: Sequence[Any]) -> bool:
+    """Whether the leaf at ``path`` of ``tree`` lies inside a list (per-parameter state)."""
+    node = tree
+    for key in path:
+        if type(node) is list:
+            return True
+        node = key.get(node)
+    return False
+
+
 def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]:
     """The tensors of ``state.inner`` outside its fields, by path, each with whether it is
-    replicated (a plain leaf, the same on every rank) rather than one of a per-piece list.
-    Injected hyperparameters are not state (see [Note: hyperparameters of a sharded state])."""
+    replicated (a plain leaf, the same on every rank) rather than per-parameter: one of a
+    per-piece list, or of any list (``partition``'s per-label sub-lists hold this rank's pieces
+    of the label, so they differ between ranks). Injected hyperparameters are not state (see
+    [Note: hyperparameters of a sharded state])."""
     paths = {f.path for f in state.fields}
     is_field = _is_piece_list(len(state.layout.pieces))
     out = []
@@ -213,7 +225,7 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
         if key in paths:
             continue
         if isinstance(leaf, torch.Tensor):
-            out.append((key, leaf, True))
+            out.append((key, leaf, not _in_list(inner, path)))
         elif is_field(leaf):
             out.extend((f"{key}[{i}]", t, False) for i, t in enumerate(leaf) if t is not None)
     return out
