@@ -308,27 +308,33 @@ def tagger_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 11, (16, 5), generator=gen), torch.randn(16, 3, generator=gen)
 
 
-def mixed_recipe(rank: int, world: int, stage: int) -> list[torch.Tensor]:
-    from shardopt.core import adamw, partition
-
-    model = Tagger()
+def tagger_plan(model: Tagger, world: int) -> Any:
+    """A mixed plan of the Tagger: its hidden matrices whole (balanced by Newton-Schulz flops),
+    the rest cut (the Tagger's shapes are distinct, so a shape names its parameter)."""
     named = list(model.named_parameters())
-    params = [p for _, p in named]
-    hidden = {id(p) for n, p in named if is_hidden(n, p)}
-    tx = partition(
-        {"muon": muon(lr=0.02), "adamw": adamw(lr=1e-2)},
-        lambda ps: ["muon" if p.dim() == 2 else "adamw" for p in ps],
-    )
-    shapes = [tuple(p.shape) for p in params]
-    whole = [id(p) in hidden for p in params]
+    shapes = [tuple(p.shape) for _, p in named]
+    whole = [is_hidden(n, p) for n, p in named]
     plan = plan_partition(
-        params,
+        [p for _, p in named],
         world,
         strategy="mixed",
         whole=lambda t: whole[shapes.index(tuple(t.shape))],
         cost=lambda t: newton_schulz_flops(t.shape),
     )
-    assert [plan.is_whole(t) for t in range(len(params))] == whole
+    assert [plan.is_whole(t) for t in range(len(named))] == whole
+    return plan
+
+
+def mixed_recipe(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    from shardopt.core import adamw, partition
+
+    model = Tagger()
+    params = list(model.parameters())
+    tx = partition(
+        {"muon": muon(lr=0.02), "adamw": adamw(lr=1e-2)},
+        lambda ps: ["muon" if p.dim() == 2 else "adamw" for p in ps],
+    )
+    plan = tagger_plan(model, world)
     sharded = shard(tx, plan, stage=stage)
     state = sharded.init(params)
     if stage == 2:
@@ -367,14 +373,8 @@ def adamw_on_a_mixed_plan(rank: int, world: int) -> tuple[list[torch.Tensor], An
     from shardopt.functional import consolidate_state_dict, torch_hyperparams
 
     model = Tagger()
-    named = list(model.named_parameters())
-    params = [p for _, p in named]
-    whole = [is_hidden(n, p) for n, p in named]
-    shapes = [tuple(p.shape) for p in params]
-    plan = plan_partition(
-        params, world, strategy="mixed", whole=lambda t: whole[shapes.index(tuple(t.shape))]
-    )
-    sharded = shard(adamw(lr=1e-2), plan, stage=2)
+    params = list(model.parameters())
+    sharded = shard(adamw(lr=1e-2), tagger_plan(model, world), stage=2)
     state = sharded.init(params)
     register_grad_hooks(params, state)
     for step in range(HALF):

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 
 from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec, short
 
+Shards = tuple[int, ...]
+
 __all__ = [
     "assign_greedy",
     "assign_owners",
@@ -173,23 +175,14 @@ def layout_flat(
         >>> g.offsets, g.buckets
         ((0, 3), (Bucket(start=0, shards=(8, 8)),))
     """
-    keys, group_of = group_keys(tensors)
-    groups = []
     unit = world_size * align
-    for (dtype, device), idx in zip(keys, _members(group_of, len(keys))):
-        offsets: list[int] = []
-        buckets: list[Bucket] = []
-        start = 0
-        for run in cut_buckets(idx, numels, bucket_numel):
-            offsets.extend(itertools.accumulate((numels[i] for i in run[:-1]), initial=start))
-            total = sum(numels[i] for i in run)
-            shard = -(-total // unit) * align
-            buckets.append(Bucket(start, (shard,) * world_size))
-            start += shard * world_size
-        groups.append(
-            FlatGroup(dtype, device, tuple(idx), tuple(offsets), tuple(buckets), world_size)
-        )
-    return tuple(groups)
+
+    def bucket(run: Sequence[int], start: int, order: list[int], offsets: list[int]) -> Shards:
+        order.extend(run)
+        offsets.extend(itertools.accumulate((numels[i] for i in run[:-1]), initial=start))
+        return (-(-sum(numels[i] for i in run) // unit) * align,) * world_size
+
+    return _layout(tensors, numels, world_size, bucket_numel, bucket)
 
 
 def layout_greedy(
@@ -210,31 +203,22 @@ def layout_greedy(
         >>> g.tensors, g.offsets, g.buckets
         ((1, 0), (0, 6), (Bucket(start=0, shards=(6, 3)),))
     """
-    keys, group_of = group_keys(tensors)
-    groups = []
-    for (dtype, device), idx in zip(keys, _members(group_of, len(keys))):
-        order: list[int] = []
-        offsets: list[int] = []
-        buckets: list[Bucket] = []
-        start = 0
-        for run in cut_buckets(idx, numels, bucket_numel):
-            shards = []
-            pos = start
-            for rank in range(world_size):
-                mine = [i for i in run if owners[i] == rank]
-                order.extend(mine)
-                if mine:
-                    sizes = (numels[i] for i in mine[:-1])
-                    offsets.extend(itertools.accumulate(sizes, initial=pos))
-                shard = -(-sum(numels[i] for i in mine) // align) * align
-                shards.append(shard)
-                pos += shard
-            buckets.append(Bucket(start, tuple(shards)))
-            start = pos
-        groups.append(
-            FlatGroup(dtype, device, tuple(order), tuple(offsets), tuple(buckets), world_size)
-        )
-    return tuple(groups)
+
+    def bucket(run: Sequence[int], start: int, order: list[int], offsets: list[int]) -> Shards:
+        shards = []
+        pos = start
+        for rank in range(world_size):
+            mine = [i for i in run if owners[i] == rank]
+            order.extend(mine)
+            if mine:
+                sizes = (numels[i] for i in mine[:-1])
+                offsets.extend(itertools.accumulate(sizes, initial=pos))
+            shard = -(-sum(numels[i] for i in mine) // align) * align
+            shards.append(shard)
+            pos += shard
+        return tuple(shards)
+
+    return _layout(tensors, numels, world_size, bucket_numel, bucket)
 
 
 def layout_mixed(
@@ -253,6 +237,24 @@ def layout_mixed(
         >>> g.tensors, g.offsets, g.buckets
         ((1, 0), (0, 4), (Bucket(start=0, shards=(4, 6)),))
     """
+
+    def bucket(run: Sequence[int], start: int, order: list[int], offsets: list[int]) -> Shards:
+        return _mixed_bucket(run, numels, owners, world_size, start, order, offsets)
+
+    return _layout(tensors, numels, world_size, bucket_numel, bucket)
+
+
+def _layout(
+    tensors: Sequence[TensorSpec],
+    numels: Sequence[int],
+    world_size: int,
+    bucket_numel: int | None,
+    bucket: Callable[[Sequence[int], int, list[int], list[int]], Shards],
+) -> tuple[FlatGroup, ...]:
+    """One group per (dtype, device), each cut into buckets of whole tensors (``cut_buckets``);
+    ``bucket(run, start, order, offsets)`` lays out one at ``start`` (appending its tensors to
+    ``order`` and their offsets to ``offsets``) and returns its shard sizes: the part of
+    [Note: plan layout] that differs by strategy."""
     keys, group_of = group_keys(tensors)
     groups = []
     for (dtype, device), idx in zip(keys, _members(group_of, len(keys))):
@@ -261,7 +263,7 @@ def layout_mixed(
         buckets: list[Bucket] = []
         start = 0
         for run in cut_buckets(idx, numels, bucket_numel):
-            shards = _mixed_bucket(run, numels, owners, world_size, start, order, offsets)
+            shards = bucket(run, start, order, offsets)
             buckets.append(Bucket(start, shards))
             start += sum(shards)
         groups.append(

@@ -17,6 +17,7 @@ from shardopt.functional._state import (
     FieldKind,
     ShardedState,
     StateField,
+    piece_list_pred,
     piece_slots,
     without_hyperparams,
 )
@@ -182,20 +183,9 @@ def field_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> Fi
     return FieldKeys(tuple(entries), None, False)
 
 
-def _is_piece_list(n: int) -> Callable[[Any], bool]:
-    def is_list(x: Any) -> bool:
-        return (
-            type(x) is list
-            and len(x) == n
-            and all(e is None or isinstance(e, torch.Tensor) for e in x)
-        )
-
-    return is_list
-
-
 def _piece_lists(state: ShardedState) -> dict[str, tuple[torch.Tensor | None, ...]]:
     """The per-piece lists of ``state.inner`` (one tensor or None per piece), by path."""
-    is_list = _is_piece_list(len(state.layout.pieces))
+    is_list = piece_list_pred(len(state.layout.pieces))
     leaves = pytree.tree_flatten_with_path(state.inner, is_leaf=is_list)[0]
     return {pytree.keystr(p): tuple(x) for p, x in leaves if is_list(x)}
 
@@ -217,7 +207,7 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
     of the label, so they differ between ranks). Injected hyperparameters are not state (see
     [Note: hyperparameters of a sharded state])."""
     paths = {f.path for f in state.fields}
-    is_field = _is_piece_list(len(state.layout.pieces))
+    is_field = piece_list_pred(len(state.layout.pieces))
     out = []
     inner = without_hyperparams(state.inner)
     for path, leaf in pytree.tree_flatten_with_path(inner, is_leaf=is_field)[0]:

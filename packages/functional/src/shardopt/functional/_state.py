@@ -20,6 +20,7 @@ __all__ = [
     "flatten_state",
     "init_values",
     "injected_states",
+    "piece_list_pred",
     "piece_slots",
     "probe_fields",
     "slice_state",
@@ -92,7 +93,9 @@ class ShardedState(NamedTuple):
     stats: StepStats | None
 
 
-def _field_pred(n: int) -> Callable[[Any], bool]:
+def piece_list_pred(n: int) -> Callable[[Any], bool]:
+    """A pytree ``is_leaf`` that stops at per-piece lists: lists of ``n`` tensors or Nones."""
+
     def is_field(x: Any) -> bool:
         return (
             type(x) is list
@@ -118,10 +121,10 @@ def probe_fields(
     comes).
     """
     state = tx.init(list(probes))
-    leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=_field_pred(len(probes)))
+    leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=piece_list_pred(len(probes)))
     out = {}
     for path, leaf in leaves:
-        if not _field_pred(len(probes))(leaf) or any(e is None for e in leaf):
+        if not piece_list_pred(len(probes))(leaf) or any(e is None for e in leaf):
             continue
         if all(e.shape == q.shape for e, q in zip(leaf, probes)):
             out[_key(path)] = (FieldKind.ELEMENTWISE, tuple(e.dtype for e in leaf))
@@ -141,7 +144,7 @@ def flatten_state(
     outside fields, which :func:`slice_state` cannot split by pieces.
     """
     n = len(layout.pieces)
-    is_field = _field_pred(n)
+    is_field = piece_list_pred(n)
     leaves, spec = pytree.tree_flatten_with_path(inner, is_leaf=is_field)
     index_in_group = piece_slots(layout)
     fields: list[StateField] = []
@@ -207,7 +210,7 @@ def slice_state(inner: Any, n: int, lo: int, hi: int) -> Any:
         >>> slice_state(s, 3, 1, 2)
         {'mu': [tensor([1.])], 't': ()}
     """
-    is_field = _field_pred(n)
+    is_field = piece_list_pred(n)
     leaves, spec = pytree.tree_flatten(inner, is_leaf=is_field)
     return pytree.tree_unflatten([x[lo:hi] if is_field(x) else x for x in leaves], spec)
 
@@ -224,7 +227,7 @@ def init_values(
         [0.5]
     """
     state = tx.init([torch.zeros(shape, dtype=d) for d in dtypes])
-    is_field = _field_pred(len(dtypes))
+    is_field = piece_list_pred(len(dtypes))
     leaves, _ = pytree.tree_flatten_with_path(state, is_leaf=is_field)
     return {
         _key(path): [e.reshape(-1)[0].item() for e in leaf]
