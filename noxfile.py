@@ -112,7 +112,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """GPU-only tests (NCCL/CUDA); they skip where CUDA is absent."""
-    bin_dir, env = _shared_env(session, one_thread=False)
-    tests = (f"{p}/tests" for p in PACKAGES)
-    session.run(os.path.join(bin_dir, "pytest"), "-m", "gpu", *tests, env=env, external=True)
+    """The offline GPU check (ci/gpu.sh: its own venv over the interpreter's torch, a report in
+    out/gpu); one line and exit 0 where torch sees no CUDA device."""
+    session.run("sh", "ci/gpu.sh", *session.posargs, external=True)

@@ -1,4 +1,4 @@
-"""The ``shardopt`` command line: ``plan``, ``demo`` and ``bench``."""
+"""The ``shardopt`` command line: ``plan``, ``demo``, ``bench`` and ``gpu-check``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardopt.cli._bench_cli import add_bench_parser
     from shardopt.cli._demo_cli import add_demo_parser
     from shardopt.cli._plan_cli import add_plan_parser
+    from shardopt.cli.gpu_check import add_gpu_check_parser
 
     parser = argparse.ArgumentParser(
         prog="shardopt", description="shardopt: sharded optimizers for torch.distributed."
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(commands)
     add_bench_parser(commands)
     add_plan_parser(commands)
+    add_gpu_check_parser(commands)
     return parser
 
 

@@ -1,0 +1,97 @@
+"""One CUDA device over NCCL (skipped without one): shard and its checkpoints on CUDA tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shardopt.core import adamw, plan_partition
+from shardopt.functional import (
+    consolidate_state_dict,
+    load_checkpoint,
+    register_grad_hooks,
+    register_param_hooks,
+    save_checkpoint,
+    shard,
+    wait_params,
+)
+from shardopt.testing import World, reference_problem
+
+LR = 1e-3
+STEPS = 5
+# float32, 5 steps, the same fused kernel as torch's on gradients equal up to the order of
+# backward's reductions: 1e-5 of each tensor's largest value (a stale parameter is off by ~LR)
+TOL = 1e-5
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = max(ref.abs().max().item(), 1e-30)
+    return (ours.double() - ref.double()).abs().max().item() / scale
+
+
+def train_gpt(world: World, stage: int, strategy: str) -> tuple[list[torch.Tensor], float, float]:
+    """shard(adamw) with both overlaps beside torch.optim.AdamW(fused=True) on the reference
+    GPT; returns the initial parameters, the worst error and how far torch's moved."""
+    problem = reference_problem("gpt", dtype=torch.float32)
+    model, ref = problem.model().to(world.device), problem.model().to(world.device)
+    initial = [p.detach().clone() for p in ref.parameters()]
+    params = list(model.parameters())
+    plan = plan_partition(params, world.world_size, strategy=strategy, bucket_numel=8192)
+    sharded = shard(adamw(LR), plan, stage=stage)
+    state = sharded.init(params)
+    hooks = [register_grad_hooks(params, state), register_param_hooks(model, state)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    for step in range(STEPS):
+        batch = tuple(t.to(world.device) for t in problem.data(step))
+        problem.loss(model, batch).backward()
+        state = sharded.step(params, None, state)
+        opt.zero_grad()
+        problem.loss(ref, batch).backward()
+        opt.step()
+    wait_params(state)
+    for hook in hooks:
+        hook.remove()
+    error = max(rel_error(a, b) for a, b in zip(params, ref.parameters()))
+    moved = max(rel_error(a, b) for a, b in zip(ref.parameters(), initial))
+    return params, error, moved
+
+
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.gpu(1)
+@pytest.mark.world(1, backend="nccl", timeout=180)
+def test_shard_with_both_overlaps_on_cuda_matches_fused_adamw(
+    world: World, stage: int, strategy: str
+) -> None:
+    params, error, moved = train_gpt(world, stage, strategy)
+    assert all(p.is_cuda for p in params)
+    assert moved > 100 * TOL  # torch's parameters moved, so agreeing means something
+    assert error <= TOL
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.world(1, backend="nccl", timeout=180)
+def test_a_cuda_state_loads_back_bitwise_and_consolidates_like_torch(world: World, tmp_path):
+    problem = reference_problem("gpt", dtype=torch.float32)
+    states = []
+    for _ in range(2):
+        params = list(problem.model().to(world.device).parameters())
+        sharded = shard(adamw(LR), plan_partition(params, 1), stage=2)
+        states.append((params, sharded, sharded.init(params)))
+    params, sharded, state = states[0]
+    for step in range(STEPS):
+        grads = [torch.randn_like(p) for p in params]
+        state = sharded.step(params, grads, state)
+    path = os.path.join(tmp_path, "checkpoint")
+    save_checkpoint(state, path)
+    load_checkpoint(states[1][2], path)
+    saved, loaded = consolidate_state_dict(state), consolidate_state_dict(states[1][2])
+    assert saved is not None and loaded is not None
+    assert saved["state"].keys() == loaded["state"].keys() == set(range(len(params)))
+    for index, entry in saved["state"].items():
+        assert entry["exp_avg"].abs().max() > 0
+        for key, value in entry.items():
+            assert torch.equal(value, loaded["state"][index][key]), (index, key)
+    assert all(b.is_cuda for b in states[1][2].layout.buffers)
