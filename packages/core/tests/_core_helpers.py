@@ -129,8 +129,23 @@ def assert_rejected_like_torch(
     kwargs: dict[str, Any],
     message: str,
 ) -> None:
-    """``factory(**kwargs)`` raises a ValueError containing ``message``; torch also rejects them."""
+    """``factory(**kwargs)`` raises a ValueError containing ``message``; torch also rejects them
+    (torch 2.4 rejects a tensor hyperparameter of several elements with a RuntimeError)."""
     with pytest.raises(ValueError, match=re.escape(message)):
         factory(**kwargs)
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, RuntimeError)):
         torch_cls([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def torch_form(cls: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``cls`` and ``options`` as this torch takes them: before 2.7, ``torch.optim.Adam`` has no
+    ``decoupled_weight_decay``, and ``torch.optim.AdamW`` is that rule (same weight decay)."""
+    key = "decoupled_weight_decay"
+    if cls is not torch.optim.Adam or key not in options:
+        return cls, options
+    if key in inspect.signature(torch.optim.Adam).parameters:
+        return cls, options
+    rest = {k: v for k, v in options.items() if k != key}
+    if not options[key]:
+        return cls, rest
+    return torch.optim.AdamW, {**rest, "weight_decay": rest.get("weight_decay", 0.0)}

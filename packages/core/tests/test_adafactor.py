@@ -12,9 +12,11 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import adafactor, apply_updates, linear_warmup, update_flat_
 from shardopt.core.blocks import needs_whole_tensors, tree_leaves, tree_map
+from shardopt.testing import requires_torch
 
 from _core_helpers import assert_rejected_like_torch, option_id, scheduled, skip_every_third
 
+NEEDS_ADAFACTOR = requires_torch("2.5", "torch.optim.Adafactor")
 OPTIONS = [
     {"weight_decay": wd, "maximize": mx} for wd, mx in itertools.product([0.0, 0.1], [False, True])
 ] + [
@@ -50,6 +52,7 @@ def assert_state_like_torch(run: Any, *, bitwise: bool) -> None:
 # ``q - p``, exact except where ``q`` and ``p`` are more than a factor 2 apart: compared to
 # tolerance. lr = 0.5 exceeds 1/sqrt(t) after 4 steps, where torch's relative step switches
 # from the lr to ``1 / sqrt(t)`` (for a tensor lr, from arithmetic in its dtype to double).
+@NEEDS_ADAFACTOR
 @pytest.mark.parametrize("lr", ["0.01", "0.5", "tensor 0.01", "tensor 0.5"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("options", OPTIONS, ids=option_id)
@@ -69,6 +72,7 @@ def test_adafactor_matches_torch_adafactor_for_50_steps_with_skipped_grads(
     assert_state_like_torch(run, bitwise=True)
 
 
+@NEEDS_ADAFACTOR
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_adafactor_with_a_schedule_matches_torch_with_that_lr_set_before_each_step(
     equivalence: Any, dtype: torch.dtype
@@ -95,6 +99,7 @@ def test_adafactor_factors_the_last_two_dims_and_keeps_a_full_variance_below_two
     assert state.col_var["conv"].shape == (2, 3, 1, 2)
 
 
+@NEEDS_ADAFACTOR
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

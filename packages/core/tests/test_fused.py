@@ -21,7 +21,7 @@ from shardopt.core import (
 from shardopt.core._fused import FUSED_DEVICES, Kernel, select_kernel, split_state
 from shardopt.core.blocks import flat_rule, tree_leaves
 
-from _core_helpers import option_id
+from _core_helpers import option_id, torch_form
 
 SIZES = (1, 17, 1000)
 STEPS = 20
@@ -168,7 +168,8 @@ def test_update_flat_equals_torch_fused_bitwise(
     ours = make_flat(dtype)
     state = tx.init(ours)
     theirs = [p.clone().requires_grad_(True) for p in make_flat(dtype)]
-    opt = torch_cls(theirs, fused=True, **options)
+    cls, torch_options = torch_form(torch_cls, options)
+    opt = cls(theirs, fused=True, **torch_options)
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         grads = make_grads(gen, step, dtype, skips)

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.optim._muon import _zeropower_via_newtonschulz
 
 from shardopt.core import (
     Transformation,
@@ -22,9 +21,11 @@ from shardopt.core import (
 )
 from shardopt.core._muon import orthogonalize
 from shardopt.core.blocks import needs_whole_tensors, tree_leaves
+from shardopt.testing import requires_torch
 
 from _core_helpers import option_id, scheduled
 
+NEEDS_MUON = requires_torch("2.9", "torch.optim.Muon")
 SHAPES = [(5, 3), (3, 5), (4, 4), (6, 2)]  # tall, wide, square: the transposed NS and lr ratios
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-6}
 OPTIONS = [
@@ -81,6 +82,7 @@ def assert_close_to_torch(ours: list[torch.Tensor], theirs: list[torch.Tensor]) 
 # the parameters are written by ``mul_`` then a fused ``add_``, for which we return ``q - p``:
 # exact except where ``q`` and ``p`` are more than a factor 2 apart, so they are compared to
 # tolerance. torch keeps no step count: its only state is the momentum buffer.
+@NEEDS_MUON
 @pytest.mark.parametrize("lr_kind", ["float", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("options", OPTIONS, ids=option_id)
@@ -100,6 +102,7 @@ def test_muon_matches_torch_muon_for_50_steps_with_skipped_grads(
     assert [c.item() for c in state[-1].count] == expected
 
 
+@NEEDS_MUON
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_muon_with_a_schedule_matches_torch_with_that_lr_set_before_each_step(
     dtype: torch.dtype,
@@ -111,6 +114,7 @@ def test_muon_with_a_schedule_matches_torch_with_that_lr_set_before_each_step(
     assert_close_to_torch(params, torch_params)
 
 
+@NEEDS_MUON
 @pytest.mark.parametrize("shape", [(5, 3), (3, 5), (4, 4), (1, 7), (32, 64)], ids=str)
 def test_orthogonalize_is_torchs_newton_schulz_bitwise(shape: tuple[int, int]) -> None:
     g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -118,6 +122,8 @@ def test_orthogonalize_is_torchs_newton_schulz_bitwise(shape: tuple[int, int]) -
         ((3.4445, -4.775, 2.0315), 5, 1e-7),
         ((2.0, -1.5, 0.5), 2, 1.0),
     ]:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
         ours = orthogonalize(g, coefficients, steps, eps)
         assert torch.equal(ours, _zeropower_via_newtonschulz(g, coefficients, steps, eps))
 
@@ -129,6 +135,7 @@ def test_orthogonalize_brings_the_singular_values_of_a_matrix_near_one() -> None
     assert singular_values.max() < 1.5
 
 
+@NEEDS_MUON
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -146,6 +153,7 @@ def test_muon_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -
         torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)], **kwargs)
 
 
+@NEEDS_MUON
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -165,6 +173,7 @@ def test_muon_rejects_at_construction_what_torch_rejects_at_its_first_step(
         opt.step()
 
 
+@NEEDS_MUON
 @pytest.mark.parametrize("shape", [(3,), (), (2, 3, 4)], ids=str)
 def test_muon_refuses_parameters_and_gradients_that_are_not_2d_like_torch(
     shape: tuple[int, ...],

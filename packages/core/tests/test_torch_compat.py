@@ -49,12 +49,12 @@ def _kept_keys(record: TorchCompat, param: torch.Tensor, options: dict[str, Any]
 
 
 # Shapes a record is checked on: Muon takes matrices only; Adafactor keeps other keys for them.
-SHAPES = {torch.optim.Muon: [(3, 2)], torch.optim.Adafactor: [(3,), (3, 2), (2, 3, 2)]}
+SHAPES = {"Muon": [(3, 2)], "Adafactor": [(3,), (3, 2), (2, 3, 2)]}
 
 
 @pytest.mark.parametrize(
     ("record", "shape"),
-    [(r, s) for r in TORCH_COMPAT for s in SHAPES.get(r.torch_class, [(3,)])],
+    [(r, s) for r in TORCH_COMPAT for s in SHAPES.get(r.torch_class.__name__, [(3,)])],
     ids=lambda x: ids(x) if isinstance(x, TorchCompat) else "x".join(map(str, x)),
 )
 def test_state_keys_are_the_keys_torch_keeps_in_its_order(record, shape):
@@ -73,7 +73,8 @@ def test_only_the_exact_class_has_a_record():
 
     assert torch_compat(torch.optim.Adam).factory.__name__ == "adam"
     assert torch_compat(Sub) is None
-    assert len({r.torch_class for r in TORCH_COMPAT}) == len(TORCH_COMPAT) == 13
+    newer = sum(not hasattr(torch.optim, name) for name in ("Muon", "Adafactor"))  # torch < 2.9
+    assert len({r.torch_class for r in TORCH_COMPAT}) == len(TORCH_COMPAT) == 13 - newer
 
 
 def test_a_record_refuses_state_keys_of_fields_its_state_lacks():

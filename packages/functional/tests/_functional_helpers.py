@@ -6,11 +6,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 Shapes = Sequence[tuple[tuple[int, ...], torch.dtype]]
 
 # A small mixed-dtype model whose shapes make flat plans cut tensors across ranks at W = 2, 3, 4
 # (the test modules give tensors 3 and 4 their roles: frozen, gradient only at some steps).
+# The names count_collectives records for the single-tensor collectives: torch 2.13 calls them
+# all_gather_single / reduce_scatter_single, older releases all_gather_into_tensor /
+# reduce_scatter_tensor.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
+
 MIXED_SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
     ((7, 5), torch.float32),
     ((5,), torch.float32),
@@ -121,8 +131,16 @@ def tensor_parallel_mlp(dp: int = 2) -> tuple[Any, torch.nn.Module]:
     return mesh, model
 
 
+def dtensor_type() -> type:
+    """DTensor's class: public in torch.distributed.tensor from torch 2.5 on, private before."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor
+    return DTensor
+
+
 def full_tensors(params: Any) -> list[torch.Tensor]:
     """Each parameter whole: a DTensor's full tensor, any other detached."""
-    from torch.distributed.tensor import DTensor
-
+    DTensor = dtensor_type()
     return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]

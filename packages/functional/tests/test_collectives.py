@@ -16,6 +16,8 @@ from shardopt.functional import (
 )
 from shardopt.testing import CollectiveCall, count_collectives
 
+from _functional_helpers import GATHER, SCATTER
+
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 SHAPES = [((7, 5), F32), ((5,), BF16), ((3, 4, 2), F64), ((13,), F32), ((6, 6), BF16)]
 
@@ -28,9 +30,9 @@ def traffic(calls: list[CollectiveCall], rank: int, world: int) -> tuple[int, in
     rank s gives its block to every other rank."""
     sent = received = 0
     for c in calls:
-        if c.name in ("reduce_scatter_single", "all_to_all_single"):
+        if c.name in (SCATTER, "all_to_all_single"):
             sent += c.second * (world - 1) // world
-        elif c.name == "all_gather_single":
+        elif c.name == GATHER:
             received += c.first * (world - 1) // world
         elif c.name == "reduce" and c.root != rank:
             sent += c.first
@@ -94,7 +96,7 @@ def step_traffic(
 
 
 NAMES = {
-    "collective": {"reduce_scatter_single", "all_gather_single"},
+    "collective": {SCATTER, GATHER},
     "exchange": {"all_to_all_single", "broadcast"},
     "unequal": {"reduce", "broadcast"},
 }
@@ -130,7 +132,7 @@ def test_stage1_with_averaged_gradients_moves_only_the_parameter_sync(run_world,
     for sent, received, names, moved, expected in run_world(
         step_traffic, 3, 1, True, "flat", False, 16, algorithm
     ):
-        assert names == expected - {"reduce", "reduce_scatter_single", "all_to_all_single"}
+        assert names == expected - {"reduce", SCATTER, "all_to_all_single"}
         assert sent == 0
         assert received == 2 * moved
 

@@ -73,7 +73,9 @@ def test_shard_with_both_overlaps_on_cuda_matches_fused_adamw(
 
 @pytest.mark.gpu(1)
 @pytest.mark.world(1, backend="nccl", timeout=180)
-def test_a_cuda_state_loads_back_bitwise_and_consolidates_like_torch(world: World, tmp_path):
+def test_a_cuda_state_saved_and_loaded_consolidates_to_the_same_dict_bitwise(
+    world: World, tmp_path
+):
     problem = reference_problem("gpt", dtype=torch.float32)
     states = []
     for _ in range(2):
@@ -81,14 +83,15 @@ def test_a_cuda_state_loads_back_bitwise_and_consolidates_like_torch(world: Worl
         sharded = shard(adamw(LR), plan_partition(params, 1), stage=2)
         states.append((params, sharded, sharded.init(params)))
     params, sharded, state = states[0]
-    for step in range(STEPS):
+    for _ in range(STEPS):
         grads = [torch.randn_like(p) for p in params]
         state = sharded.step(params, grads, state)
     path = os.path.join(tmp_path, "checkpoint")
     save_checkpoint(state, path)
     load_checkpoint(states[1][2], path)
     saved, loaded = consolidate_state_dict(state), consolidate_state_dict(states[1][2])
-    assert saved is not None and loaded is not None
+    assert saved is not None
+    assert loaded is not None
     assert saved["state"].keys() == loaded["state"].keys() == set(range(len(params)))
     for index, entry in saved["state"].items():
         assert entry["exp_avg"].abs().max() > 0

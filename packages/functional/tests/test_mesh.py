@@ -3,6 +3,7 @@ over "shard" and averages gradients across replicas, matching one process on the
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -11,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from shardopt.core import adamw, plan_partition
 from shardopt.functional import (
@@ -27,6 +27,7 @@ from shardopt.functional import (
 from shardopt.testing import count_collectives
 
 from _functional_helpers import (
+    dtensor_type,
     full_batch_adamw,
     full_tensors,
     mlp_batch,
@@ -34,6 +35,7 @@ from _functional_helpers import (
     tensor_parallel_mlp,
 )
 
+DTensor = dtensor_type()
 STEPS = 10
 
 
@@ -234,7 +236,11 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     }
     with warnings.catch_warnings():  # DCP says it loads in one process: it is meant to
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        reader = dcp.FileSystemReader(path)
+        if "no_dist" in inspect.signature(dcp.load).parameters:
+            dcp.load(out, storage_reader=reader, no_dist=True)
+        else:  # torch 2.4: only its private loader reads without a process group
+            dcp.state_dict_loader._load_state_dict(out, storage_reader=reader, no_dist=True)
     return out
 
 

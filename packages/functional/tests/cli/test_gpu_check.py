@@ -186,7 +186,8 @@ def test_the_pytest_command_selects_gpu_tests_and_loads_the_plugin_only_if_asked
     assert "pytest -m gpu" in " ".join(with_plugin)
     assert "shardopt.testing.pytest_plugin" in with_plugin
     assert "shardopt.testing.pytest_plugin" not in without
-    assert without[-2:] == ["t1", "t2"] and "--junitxml=j.xml" in without
+    assert without[-2:] == ["t1", "t2"]
+    assert "--junitxml=j.xml" in without
 
 
 def test_a_fused_adamw_step_moves_seven_tensors_and_is_compared_to_a_copy():
@@ -230,7 +231,7 @@ def test_step_times_pass_only_when_both_ratios_are_at_most_one():
     assert items["f/between"].figures["ratio_vs_torch_adamw"] == 1.5
 
 
-FAKE_SHARDOPT = '''
+FAKE_SHARDOPT = """
 import warnings
 
 
@@ -241,7 +242,7 @@ def sync_twice():
 
 def sync_once():
     warnings.warn("called a synchronizing CUDA operation", UserWarning)
-'''
+"""
 
 
 def test_every_sync_warning_is_listed_with_the_shardopt_frame_that_caused_it():
@@ -258,7 +259,7 @@ def test_every_sync_warning_is_listed_with_the_shardopt_frame_that_caused_it():
     ]
     with warnings.catch_warnings(record=True) as after:
         warnings.simplefilter("always")
-        warnings.warn(SYNC_WARNING, UserWarning)
+        warnings.warn(SYNC_WARNING, UserWarning, stacklevel=1)
     assert len(after) == 1  # the recorder is gone, warnings behave as before
 
 

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardopt.optim import ZeroRedundancyOptimizer
 from shardopt.optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
-from shardopt.testing import World
+from shardopt.testing import World, torch_version
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -251,8 +251,9 @@ def _torch_overlap(world: World, torch_hook: Callable[..., Any]) -> DistributedD
     theirs = _ddp(_model(world.device), world)
     sgd, defaults = OPTIMIZERS["sgd"]
     zero = TorchZero(theirs.parameters(), sgd, overlap_with_ddp=True, **defaults)
-    with pytest.raises(RuntimeError, match="Gloo backend using Overlapping DDP with ZeRO"):
-        torch_hook(allreduce_hook, theirs, zero)
+    if torch_version() >= (2, 9):  # torch 2.9 began to refuse gloo here
+        with pytest.raises(RuntimeError, match="Gloo backend using Overlapping DDP with ZeRO"):
+            torch_hook(allreduce_hook, theirs, zero)
     # torch refuses gloo up front, against hangs of its later iterations; in the first two, the
     # ones compared here, its hook starts no collective of its own. So the check is passed over.
     with mock.patch.object(ddp_zero_hook.dist, "get_backend", return_value=dist.Backend.NCCL):

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardopt.optim import ZeroRedundancyOptimizer
 
 from _functional_helpers import (
+    dtensor_type,
     full_batch_adamw,
     full_tensors,
     mlp_batch,
@@ -22,6 +22,7 @@ from _functional_helpers import (
     tensor_parallel_mlp,
 )
 
+DTensor = dtensor_type()
 STEPS = 10
 
 

@@ -167,10 +167,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(t) is t
         True
     """
-    dtensor = sys.modules.get("torch.distributed.tensor")  # none made before it is imported
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        local: torch.Tensor = t._local_tensor
-        return local
+    # None made before its module is imported; torch < 2.5 has it in torch.distributed._tensor.
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        dtensor = getattr(sys.modules.get(name), "DTensor", None)
+        if dtensor is not None and isinstance(t, dtensor):
+            local: torch.Tensor = t._local_tensor
+            return local
     return t
 
 

@@ -73,7 +73,7 @@ class TorchCompat:
             )
 
 
-TORCH_COMPAT: tuple[TorchCompat, ...] = (
+_RECORDS: tuple[TorchCompat, ...] = (
     TorchCompat(
         torch.optim.SGD,
         sgd,
@@ -152,13 +152,13 @@ TORCH_COMPAT: tuple[TorchCompat, ...] = (
         (_STEP, ("prev", "prev", True), ("step_size", "step_size", True)),
     ),
     TorchCompat(
-        torch.optim.Muon,
+        getattr(torch.optim, "Muon", None),  # type: ignore[arg-type]  # torch >= 2.9
         muon,
         ScaleByMuonState,
         (("count", "step", False), ("momentum", "momentum_buffer", True)),
     ),
     TorchCompat(
-        torch.optim.Adafactor,
+        getattr(torch.optim, "Adafactor", None),  # type: ignore[arg-type]  # torch >= 2.5
         adafactor,
         ScaleByAdafactorState,
         (
@@ -175,6 +175,9 @@ TORCH_COMPAT: tuple[TorchCompat, ...] = (
         (_STEP, ("eta", "eta", True), ("mu", "mu", True), ("ax", "ax", True)),
     ),
 )
+
+# The records of the classes this torch has (Muon and Adafactor are newer than shardopt's floor).
+TORCH_COMPAT: tuple[TorchCompat, ...] = tuple(r for r in _RECORDS if r.torch_class is not None)
 
 
 def torch_compat(optimizer_class: Any) -> TorchCompat | None:

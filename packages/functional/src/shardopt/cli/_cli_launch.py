@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import glob
 import json
 import logging
@@ -49,11 +48,14 @@ __all__ = [
 # waits a moment before it exits: a rank that dies without a word (a signal, ``os._exit``) exits at
 # once, the agent sees it first, and it is raised as the root cause. The agent has no deadline, so
 # each rank keeps its own: at ``timeout`` after the launch it exits with code ``_TIMED_OUT``, which
-# the agent reports like any failure and ``launch`` raises as a TimeoutError. Ctrl-C in this process
-# reaches the agent, which stops the ranks.
+# the agent reports like any failure and ``launch`` raises as a TimeoutError. A rank whose ``fn``
+# returned waits for its peers in a last barrier (see run_under_torchrun) and keeps a few seconds
+# more, so that the rank still in ``fn`` is the one that times out and is named. Ctrl-C in this
+# process reaches the agent, which stops the ranks.
 _TIMED_OUT = 124
 _REPORT = "shardopt-failure.json"
 _REPORTED_EXIT_DELAY_S = 0.5
+_FINISHED_GRACE_S = 5.0  # a rank that finished outlives the deadline by this, in the last barrier
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torchelastic")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -121,7 +123,11 @@ def run_under_torchrun(
         timeout=datetime.timedelta(seconds=timeout),
     )
     try:
-        return fn(env.rank, env.world_size, *args)
+        out = fn(env.rank, env.world_size, *args)
+        # torch 2.4's gloo can hang in a rank's group destructor when a peer destroyed its own
+        # group first (half of the launches under pytest): every rank leaves after all are done.
+        dist.barrier()
+        return out
     finally:
         dist.destroy_process_group()
 
@@ -153,22 +159,34 @@ def _rank_main(
     """One local rank, started by the elastic agent: torchrun's path, with a deadline and a
     failure report (see [Note: CLI worlds])."""
     torch.set_num_threads(threads)
-    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), os._exit, (_TIMED_OUT,))
-    watchdog.daemon = True
-    watchdog.start()
+    watchdog = [_watchdog(deadline)]
+
+    def then_wait(rank: int, world_size: int, *args: Any) -> Any:
+        result = _reported(fn, rank, world_size, *args)
+        # done: what is left is the last barrier, where a stuck peer must time out first
+        watchdog[0].cancel()
+        watchdog[0] = _watchdog(deadline + _FINISHED_GRACE_S)
+        return result
+
     env = torchrun_env()
     assert env is not None, "the elastic agent sets torchrun's variables"
     try:
-        result = run_under_torchrun(
-            functools.partial(_reported, fn), env, backend, *args, timeout=timeout
-        )
-        watchdog.cancel()  # done: what is left is waiting for the agent to collect the result
+        result = run_under_torchrun(then_wait, env, backend, *args, timeout=timeout)
+        watchdog[0].cancel()  # what is left is waiting for the agent to collect the result
         return result
     except BaseException:  # reported already; see [Note: CLI worlds] for the wait
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(_REPORTED_EXIT_DELAY_S)
         os._exit(1)
+
+
+def _watchdog(deadline: float) -> threading.Timer:
+    """A started daemon timer that ends this process with ``_TIMED_OUT`` at ``deadline``."""
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), os._exit, (_TIMED_OUT,))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _reported(fn: Callable[..., Any], rank: int, world_size: int, *args: Any) -> Any:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Bucket
+from shardopt.functional._rooted import ProcessGroup, broadcast_from, reduce_to
 
 __all__ = [
     "Algorithm",
@@ -31,7 +32,6 @@ __all__ = [
     "resolve_algorithm",
 ]
 
-ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 
 # [Note: collective names]
 # torch 2.13 names the single-tensor collectives ``all_gather_single`` and
@@ -269,9 +269,9 @@ def all_gather_bucket(
         region = buffer[bucket.start : bucket.stop]
         return Pending(all_gather_into(region, mine, group=group, async_op=async_op))
     works = [
-        dist.broadcast(
+        broadcast_from(
             buffer[bucket.shard_start(r) : bucket.shard_start(r) + n],
-            group_src=r,
+            r,
             group=group,
             async_op=async_op,
         )
@@ -368,9 +368,9 @@ def _reduce_to_owners(
 ) -> list[Any]:
     """One in-place ``reduce`` of each rank's shard of the packed ``staging`` to that rank."""
     return [
-        dist.reduce(
+        reduce_to(
             staging[bucket.shard_start(r) - bucket.start :][:n],
-            group_dst=r,
+            r,
             op=dist.ReduceOp.SUM,
             group=group,
             async_op=async_op,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from shardopt.core import Piece, Plan
 from shardopt.functional._checkpoint_keys import FieldKeys, has_state, piece_slots, piece_value
 from shardopt.functional._collectives import ProcessGroup, comm_device
+from shardopt.functional._rooted import gather_to
 from shardopt.functional._state import FieldKind, ShardedState
 
 __all__ = [
@@ -69,7 +70,7 @@ def gather_rows(rows: torch.Tensor, to: int, group: ProcessGroup) -> torch.Tenso
     if world == 1:
         return send.unsqueeze(0)
     out = send.new_empty((world, *send.shape)) if rank == to else None
-    dist.gather(send, None if out is None else list(out.unbind(0)), group_dst=to, group=group)
+    gather_to(send, None if out is None else list(out.unbind(0)), to, group=group)
     return out
 
 
@@ -93,7 +94,7 @@ def windows(
         if send.numel() < n:  # past the end of this rank's shard: pad (one window at most)
             send = torch.cat([send, flat.new_zeros(n - send.numel())])
         rows = None if staging is None else staging[: world * n].view(world, -1)
-        dist.gather(send, None if rows is None else list(rows.unbind(0)), group_dst=to, group=group)
+        gather_to(send, None if rows is None else list(rows.unbind(0)), to, group=group)
         for r, row in enumerate(rows if rows is not None else ()):
             yield r, lo, row
 

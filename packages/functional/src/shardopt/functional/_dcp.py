@@ -35,6 +35,7 @@ from shardopt.functional._hyperparams import (
     write_hyperparams,
 )
 from shardopt.functional._mesh import GlobalPlace, mesh_groups
+from shardopt.functional._rooted import broadcast_from
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional._validate import agree_across_ranks, fingerprint
@@ -153,14 +154,14 @@ def _common_checks(state: ShardedState, keys: FieldKeys, extra: Any) -> str | No
 def _shared_token(group: ProcessGroup) -> int:
     """A random 62-bit number drawn on rank 0 of ``group`` and broadcast (the same everywhere)."""
     token = torch.tensor([uuid.uuid4().int >> 66], dtype=torch.int64, device=comm_device(group))
-    dist.broadcast(token, group_src=0, group=group)
+    broadcast_from(token, 0, group=group)
     return int(token.item())
 
 
 def _agree_on_rank0(api: str, error: BaseException | None, group: ProcessGroup) -> None:
     """Rank 0 says whether ``error`` happened; every rank raises if so."""
     flag = torch.tensor([0 if error is None else 1], device=comm_device(group))
-    dist.broadcast(flag, group_src=0, group=group)
+    broadcast_from(flag, 0, group=group)
     if error is not None:
         raise error
     if flag.item():

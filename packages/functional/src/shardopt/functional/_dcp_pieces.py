@@ -77,7 +77,18 @@ def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     return out
 
 
-class LocalBoxes(torch.Tensor):
+# torch >= 2.5 finds DCP's hooks on any tensor by their dunder names; torch 2.4 calls them only
+# on subclasses of its ``_Checkpointable`` base, by single-underscore names, the tensor passed
+# again.
+try:
+    from torch.distributed.checkpoint.planner import (  # type: ignore[attr-defined]
+        _Checkpointable as _DCPHooks,  # torch 2.4
+    )
+except ImportError:
+    _DCPHooks = object
+
+
+class LocalBoxes(torch.Tensor, _DCPHooks):
     """A tensor of ``shape`` of which this rank holds ``views`` at ``offsets`` (DCP only).
 
     See [Note: DCP pieces]. ``parts`` are ``(offsets, view)`` with ``view`` a tensor of the box's
@@ -122,6 +133,15 @@ class LocalBoxes(torch.Tensor):
             if offsets == index.offset:
                 return view
         raise ValueError(f"LocalBoxes: no box at offset {index.offset} of {index.fqn}")
+
+    def _create_write_items(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return self.__create_write_items__(fqn, obj)
+
+    def _create_chunk_list(self, tensor: Any) -> list[ChunkStorageMetadata]:
+        return self.__create_chunk_list__()
+
+    def _get_tensor_shard(self, tensor: Any, index: MetadataIndex) -> torch.Tensor:
+        return self.__get_tensor_shard__(index)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]

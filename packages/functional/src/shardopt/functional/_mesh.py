@@ -140,9 +140,20 @@ def global_places(params: Sequence[Any]) -> tuple[GlobalPlace | None, ...] | Non
         if local is p or local.shape == p.shape:
             out.append(None)
             continue
-        (chunk,) = p.__create_chunk_list__()  # DTensor's own answer, as DCP asks it
-        out.append(GlobalPlace(torch.Size(p.shape), torch.Size(chunk.offsets)))
+        out.append(GlobalPlace(torch.Size(p.shape), torch.Size(_local_offsets(p))))
     return tuple(out) if any(x is not None for x in out) else None
+
+
+def _local_offsets(p: Any) -> Sequence[int]:
+    """Where a DTensor's local tensor starts in the full tensor: DTensor's own answer, as DCP
+    asks it (``__create_chunk_list__``, torch >= 2.5), or the helper DCP used before it."""
+    if hasattr(p, "__create_chunk_list__"):
+        (chunk,) = p.__create_chunk_list__()
+        return tuple(chunk.offsets)
+    from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(offsets)
 
 
 def local_tensors(tree: PyTree) -> list[Any]:

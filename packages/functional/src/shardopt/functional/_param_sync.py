@@ -17,6 +17,7 @@ from shardopt.functional._collectives import (
     ProcessGroup,
     all_gather_bucket,
 )
+from shardopt.functional._rooted import broadcast_from
 
 __all__ = ["StagedSync", "broadcast_tensors"]
 
@@ -133,9 +134,9 @@ class StagedSync:
         assert self.plan.owners is not None
         owner, p = self.plan.owners[t], self.params[t].detach()
         if p.is_contiguous():
-            return Pending(dist.broadcast(p, group_src=owner, group=self.group, async_op=True))
+            return Pending(broadcast_from(p, owner, group=self.group, async_op=True))
         tmp = p.contiguous()
-        work = dist.broadcast(tmp, group_src=owner, group=self.group, async_op=True)
+        work = broadcast_from(tmp, owner, group=self.group, async_op=True)
 
         def finish() -> None:
             p.copy_(tmp)
@@ -172,7 +173,7 @@ def broadcast_tensors(
         if buffers is not None:
             for lo, hi in _runs(plan, mine):
                 view = buffers[g][lo:hi]
-                work = dist.broadcast(view, group_src=owner, group=group, async_op=True)
+                work = broadcast_from(view, owner, group=group, async_op=True)
                 out.append(Pending(work))
         else:
             out.append(_broadcast_packed([params[t] for t in mine], owner, rank, group))
@@ -203,7 +204,7 @@ def _broadcast_packed(
         with torch.no_grad():
             for piece, p in zip(pieces, params):
                 piece.copy_(_read(p))
-    work = dist.broadcast(tmp, group_src=owner, group=group, async_op=True)
+    work = broadcast_from(tmp, owner, group=group, async_op=True)
 
     def finish() -> None:
         for piece, p in zip(pieces, params):

@@ -21,11 +21,25 @@ from shardopt.functional._local_sgd import (
 )
 from shardopt.functional._mesh import MeshGroups, mesh_groups
 from shardopt.functional._param_sync import StagedSync, broadcast_tensors
+from shardopt.functional._rooted import (
+    broadcast_from,
+    gather_object_to,
+    gather_to,
+    irecv_from,
+    isend_to,
+    reduce_to,
+)
 from shardopt.functional._state import init_values, piece_slots, probe_fields
 from shardopt.functional._update import shaped
 from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = [
+    "reduce_to",
+    "isend_to",
+    "irecv_from",
+    "gather_to",
+    "gather_object_to",
+    "broadcast_from",
     "MeshGroups",
     "ProcessGroup",
     "StagedSync",

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardopt.functional.engine import ProcessGroup
+from shardopt.functional.engine import ProcessGroup, irecv_from, isend_to
 from shardopt.optim._zero_transport import (
     gather_objects,
     pack_tensors,
@@ -72,7 +72,7 @@ def consolidate_greedy(
     metas = gather_objects(meta, to=to, group=group, device=device)
     if metas is None:
         assert buf is not None
-        work = dist.isend(buf, group_dst=to, group=group) if buf.numel() else None
+        work = isend_to(buf, to, group=group) if buf.numel() else None
         if work is not None:
             work.wait()
         return None
@@ -82,7 +82,7 @@ def consolidate_greedy(
         if r != rank and metas[r][2]:
             into = torch.empty(metas[r][2], dtype=torch.uint8, device=device)
             received[r] = into
-            works.append(dist.irecv(into, group_src=r, group=group))
+            works.append(irecv_from(into, r, group=group))
     wait_all(works)
     out = {index: snapshot(entry) for index, entry in states.items()}
     for r in range(world):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardopt.functional.engine import ProcessGroup
+from shardopt.functional.engine import ProcessGroup, gather_object_to
 
 __all__ = [
     "gather_objects",
@@ -52,7 +52,7 @@ def gather_objects(obj: Any, *, to: int, group: ProcessGroup, device: torch.devi
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     out: list[Any] | None = [None] * world if rank == to else None
     with on_device(device):
-        dist.gather_object(obj, out, group_dst=to, group=group)
+        gather_object_to(obj, out, to, group=group)
     return out
 
 

@@ -40,6 +40,7 @@ from shardopt.testing._problems import (
     token_batch,
 )
 from shardopt.testing._spawn import spawn
+from shardopt.testing._versions import requires_torch, torch_version
 from shardopt.testing._world import Backend, World, cuda_device_count, current_world
 
 __all__ = [
@@ -55,6 +56,9 @@ __all__ = [
     "WorldTimeoutError",
     "RankFailure",
     "Outcome",
+    # torch versions
+    "requires_torch",
+    "torch_version",
     # counting collectives
     "count_collectives",
     "CollectiveLog",

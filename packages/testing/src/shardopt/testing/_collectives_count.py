@@ -117,6 +117,21 @@ def _input_bytes(call: CollectiveCall) -> int:
     return call.second
 
 
+def _root(kwargs: dict[str, Any]) -> int | None:
+    """The group rank of a rooted call's root: ``group_src``/``group_dst``, or (torch < 2.6) the
+    group rank of the global ``src``/``dst``."""
+    for key in ("group_src", "group_dst"):
+        if kwargs.get(key) is not None:
+            return int(kwargs[key])
+    for key in ("src", "dst"):
+        if kwargs.get(key) is not None:
+            group = kwargs.get("group")
+            if group is None or group is dist.GroupMember.WORLD:
+                return int(kwargs[key])
+            return dist.get_group_rank(group, kwargs[key])
+    return None
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CollectiveLog]:
     """Records every torch.distributed collective called from Python inside the block.
@@ -131,7 +146,7 @@ def count_collectives() -> Iterator[CollectiveLog]:
         >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
         >>> with count_collectives() as log:
         ...     _ = dist.all_reduce(torch.zeros(4))
-        ...     _ = dist.broadcast(torch.zeros(2), group_src=0)
+        ...     _ = dist.broadcast(torch.zeros(2), src=0)
         >>> [(c.name, c.first, c.root) for c in log.calls]
         [('all_reduce', 16, None), ('broadcast', 8, 0)]
         >>> log.totals().all_reduce, log.others()
@@ -145,7 +160,7 @@ def count_collectives() -> Iterator[CollectiveLog]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             first = args[0] if args else next(iter(kwargs.values()), None)
             second = _nbytes(args[1]) if len(args) > 1 else None
-            root = kwargs.get("group_src", kwargs.get("group_dst"))
+            root = _root(kwargs)
             call = CollectiveCall(name, _nbytes(first), second, root, kwargs.get("group"))
             log.calls.append(call)
             return fn(*args, **kwargs)

@@ -199,9 +199,12 @@ def _dump_stacks(late: list[RankProcess]) -> None:
 
 
 def stop(ranks: list[RankProcess], finished: set[int]) -> None:
-    """Stops and reaps every rank: those that finished get a grace period to exit."""
+    """Stops and reaps every rank. When every rank finished, they get a grace period to exit;
+    otherwise those that finished wait for their peers (see [Note: leave together]) and are
+    stopped with the rest."""
+    everyone = len(finished) == len(ranks)
     for r in ranks:
-        if r.spec.rank not in finished and r.process.exitcode is None:
+        if (not everyone or r.spec.rank not in finished) and r.process.exitcode is None:
             r.process.terminate()
     until = time.monotonic() + _EXIT_GRACE_S
     for r in ranks:

@@ -89,7 +89,7 @@ def run_rank(spec: RankSpec, result_conn: Connection, alive_conn: Connection) ->
     finally:
         result_conn.close()
     try:
-        _leave_group()
+        _leave_group(together=report.ok)
     except Exception:
         traceback.print_exc()  # into the rank's log; the result has already been sent
 
@@ -185,9 +185,15 @@ def _join_group(spec: RankSpec) -> World:
     return world
 
 
-def _leave_group() -> None:
+def _leave_group(*, together: bool) -> None:
+    # [Note: leave together] torch 2.4's gloo can hang in a rank's group destructor when a peer
+    # destroyed its own group first (seen in about half of 3-rank worlds). A rank that succeeded
+    # waits in a barrier for its peers before it destroys the group; if a peer failed, the parent
+    # stops it there (see ``stop``). A rank that raised leaves at once: its peers may never come.
     set_current_world(None)
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -73,15 +73,14 @@ def check_optimizer(cls: type, dtype: torch.dtype, device: torch.device) -> dict
     """Steps ``cls``'s core form through ``shard`` (W of the default group must be 1) beside
     ``cls`` itself on float32 copies; returns the figures."""
     from shardopt.core import plan_partition
-    from shardopt.core.blocks import needs_whole_tensors
+    from shardopt.core.blocks import needs_whole_tensors, torch_compat
     from shardopt.functional import shard
-    from shardopt.optim._core_mapping import plan_local_optimizer
 
     kwargs = KWARGS.get(cls.__name__, {})
-    spec = plan_local_optimizer(cls, (), kwargs)
-    if spec.factory is None:
-        raise ValueError(f"{cls.__name__}{kwargs} has no shardopt.core form")
-    tx = spec.factory(**spec.factory_kwargs)
+    record = torch_compat(cls)
+    if record is None:
+        raise ValueError(f"{cls.__name__} has no shardopt.core form")
+    tx = record.factory(**kwargs)  # the same hyperparameter names as torch's
     shapes = MATRICES if cls.__name__ == "Muon" else SHAPES
     params = _params(shapes, dtype, device)
     ref = [p.detach().float().clone().requires_grad_(True) for p in params]

@@ -128,15 +128,24 @@ def cuda_times(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
 def copy_rate(device: torch.device, nbytes: int) -> tuple[int, float]:
     """(bytes moved, median seconds) of a device-to-device copy of ``nbytes`` bytes."""
     n = nbytes // 4
-    src = torch.ones(n, device=device)
-    dst = torch.empty_like(src)
-    seconds = median(cuda_times(lambda: dst.copy_(src), warmup=3, repeats=20))
-    del src, dst
-    torch.cuda.empty_cache()
+    seconds = _copy_seconds(n, device)
+    torch.cuda.empty_cache()  # the tensors died with _copy_seconds' frame
     return copy_bytes(4 * n), seconds
 
 
+def _copy_seconds(n: int, device: torch.device) -> float:
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    return median(cuda_times(lambda: dst.copy_(src), warmup=3, repeats=20))
+
+
 def _adamw_seconds(numel: int, device: torch.device) -> float:
+    seconds = _timed_adamw(numel, device)
+    torch.cuda.empty_cache()  # the tensors died with _timed_adamw's frame
+    return seconds
+
+
+def _timed_adamw(numel: int, device: torch.device) -> float:
     from shardopt.core import adamw, update_flat_
 
     tx = adamw(lr=1e-3)
@@ -144,10 +153,7 @@ def _adamw_seconds(numel: int, device: torch.device) -> float:
     grad = torch.rand(numel, device=device)
     state = tx.init([param])
     repeats = 10 if numel >= 500_000_000 else 20
-    seconds = median(cuda_times(lambda: update_flat_(tx, [param], [grad], state), 3, repeats))
-    del param, grad, state
-    torch.cuda.empty_cache()
-    return seconds
+    return median(cuda_times(lambda: update_flat_(tx, [param], [grad], state), 3, repeats))
 
 
 def _bandwidth_item(numel: int, device: torch.device, copy: tuple[int, float]) -> Item:

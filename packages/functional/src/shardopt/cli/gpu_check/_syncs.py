@@ -92,7 +92,7 @@ def recording_syncs() -> Iterator[list[str]]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = show
+        warnings.showwarning = show  # type: ignore[assignment]
         yield found
 
 

@@ -65,9 +65,7 @@ def _variants() -> list[tuple[str, Callable[..., Trainer]]]:
 def _shard_maker(stage: int, strategy: str) -> Callable[..., Trainer]:
     def make(model: Any, device: torch.device, loss: Any) -> Trainer:
         # small buckets, so that the GPT's parameters span several and the hooks interleave
-        return shard_trainer(
-            model, device, loss, stage=stage, strategy=strategy, bucket_numel=8192
-        )
+        return shard_trainer(model, device, loss, stage=stage, strategy=strategy, bucket_numel=8192)
 
     return make
 
@@ -167,7 +165,8 @@ def _round_trip(ours: Trainer, problem: Any, device: torch.device) -> Item:
             save_checkpoint(ours.state, path)
             load_checkpoint(fresh.state, path)
         before, after = consolidate_state_dict(ours.state), consolidate_state_dict(fresh.state)
-        assert before is not None and after is not None
+        assert before is not None
+        assert after is not None
         same = _bitwise(before, after)
         figures = {"entries": len(after["state"]), "bitwise_equal": same}
         if same:

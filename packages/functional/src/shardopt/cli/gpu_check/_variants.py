@@ -4,7 +4,7 @@ all from the same weights and fed the same batches."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -132,7 +132,7 @@ def shard_trainer(
 
     hooks = "both overlaps" if overlaps else "no hooks"
     t = Trainer(f"shard stage {stage} {strategy}, {hooks}", _copy(model, device), loss)
-    buckets = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
+    buckets: dict[str, Any] = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
     plan = plan_partition(t.params, dist.get_world_size(), strategy=strategy, **buckets)
     t.sharded = shard(adamw(LR), plan, stage=stage)
     t.state = t.sharded.init(t.params)
@@ -149,6 +149,6 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return relative_error(diff, ref.detach().double().abs().max().item())
 
 
-def max_rel_error(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+def max_rel_error(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
     """The worst :func:`rel_error` over pairs of tensors (0.0 for none)."""
     return max((rel_error(a, b) for a, b in zip(ours, ref, strict=True)), default=0.0)

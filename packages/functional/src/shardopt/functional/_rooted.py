@@ -1,0 +1,90 @@
+"""Collectives with a root (broadcast, reduce, gather, send and receive), the root named by its
+rank in the group, on every supported torch.
+
+torch >= 2.6 takes such a rank as ``group_src`` / ``group_dst``; older releases take only the
+root's global rank (``src`` / ``dst``), which these functions look up once per call. Everything in
+shardopt that has a root goes through here, so the engine speaks group ranks only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+
+__all__ = [
+    "ProcessGroup",
+    "broadcast_from",
+    "gather_object_to",
+    "gather_to",
+    "irecv_from",
+    "isend_to",
+    "reduce_to",
+]
+
+_ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "gather_object": "dst"}
+_ROOTED |= {"isend": "dst", "irecv": "src"}
+# The functions of this torch that name their root by group rank (torch >= 2.6: all of them).
+GROUP_RANKS = frozenset(
+    name
+    for name, kind in _ROOTED.items()
+    if f"group_{kind}" in inspect.signature(getattr(dist, name)).parameters
+)
+
+
+def _global(group: ProcessGroup, rank: int) -> int:
+    """The global rank of ``rank`` of ``group`` (the default group's ranks are global)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def _root(name: str, group: ProcessGroup, rank: int) -> dict[str, Any]:
+    """The root keyword of ``dist.<name>``: ``group_src=rank`` or ``src=<its global rank>``."""
+    kind = _ROOTED[name]
+    return {f"group_{kind}": rank} if name in GROUP_RANKS else {kind: _global(group, rank)}
+
+
+def broadcast_from(
+    tensor: torch.Tensor, src: int, *, group: ProcessGroup = None, async_op: bool = False
+) -> Any:
+    """``dist.broadcast`` from rank ``src`` of ``group``."""
+    return dist.broadcast(tensor, group=group, async_op=async_op, **_root("broadcast", group, src))
+
+
+def reduce_to(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    op: Any = dist.ReduceOp.SUM,
+    group: ProcessGroup = None,
+    async_op: bool = False,
+) -> Any:
+    """``dist.reduce`` into rank ``dst`` of ``group``."""
+    return dist.reduce(tensor, op=op, group=group, async_op=async_op, **_root("reduce", group, dst))
+
+
+def gather_to(
+    tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, group: ProcessGroup
+) -> Any:
+    """``dist.gather`` into ``gather_list`` on rank ``dst`` of ``group`` (None elsewhere)."""
+    return dist.gather(tensor, gather_list, group=group, **_root("gather", group, dst))
+
+
+def gather_object_to(obj: Any, out: list[Any] | None, dst: int, *, group: ProcessGroup) -> None:
+    """``dist.gather_object`` into ``out`` on rank ``dst`` of ``group`` (None elsewhere)."""
+    dist.gather_object(obj, out, group=group, **_root("gather_object", group, dst))
+
+
+def isend_to(tensor: torch.Tensor, dst: int, *, group: ProcessGroup) -> Any:
+    """``dist.isend`` to rank ``dst`` of ``group``."""
+    return dist.isend(tensor, group=group, **_root("isend", group, dst))
+
+
+def irecv_from(tensor: torch.Tensor, src: int, *, group: ProcessGroup) -> Any:
+    """``dist.irecv`` from rank ``src`` of ``group``."""
+    return dist.irecv(tensor, group=group, **_root("irecv", group, src))
