@@ -291,7 +291,8 @@ def test_on_cpu_items_b_and_c_pass_on_gloo_and_d_e_f_skip(world: World, tmp_path
     items = json.loads((tmp_path / "report.json").read_text())["items"]
     status = {i["name"]: i["status"] for i in items}
     names = {n.split("/")[1] for n in status if n.startswith("b/")}
-    assert {"SGD", "AdamW", "Adagrad", "Rprop", "ASGD", "Muon", "Adafactor"} <= names
+    newer = {n for n in ("Muon", "Adafactor") if hasattr(torch.optim, n)}  # torch 2.9 / 2.5
+    assert {"SGD", "AdamW", "Adagrad", "Rprop", "ASGD", *newer} <= names
     assert sum(n.startswith("b/") for n in status) == 2 * len(names)
     assert sum(n.startswith("c/") for n in status) == 8
     assert {n: s for n, s in status.items() if s != "PASS"} == {
