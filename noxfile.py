@@ -32,12 +32,12 @@ REQUIREMENTS = ("ci/requirements.txt", "ci/requirements-test.txt")
 # Every package declares torch>=2.4, and each end of that range is tested: the torch_range
 # sessions run the suite (RANGE_TESTS, below; the floor leaves out the doctests) on the floor, on
 # the CI pin (the torch of `tests`, in .nox/shared) and on the newest torch these machines serve,
-# each in a venv of its own (.nox/torch-<version>) with the same pinned test dependencies. The floor is 2.4 because the
-# code needs nothing newer: what later releases added is looked up where it is used (the root of
-# a broadcast by group rank, DTensor's public module and chunk list, DCP's hooks, the optimizers
-# torch.optim gained) and tests of a feature torch lacks skip with the version they need
-# (shardopt.testing.requires_torch). A plain PyPI torch on Linux brings CUDA wheels: 2.7 GB for
-# 2.4.1, downloaded once into pip's cache.
+# each in a venv of its own (.nox/torch-<version>) with the same pinned test dependencies. The
+# floor is 2.4 because the code needs nothing newer: what later releases added is looked up where
+# it is used (the root of a broadcast by group rank, DTensor's public module and chunk list, DCP's
+# hooks, the optimizers torch.optim gained) and tests of a feature torch lacks skip with the
+# version they need (shardopt.testing.requires_torch). A plain PyPI torch on Linux brings CUDA
+# wheels: 2.7 GB for 2.4.1, downloaded once into pip's cache.
 TORCH_FLOOR = "2.4.1"
 TORCH_PIN = "2.13.0"  # ci/requirements.txt
 TORCH_NEWEST = "2.14.1"
