@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from shardopt.cli.gpu_check._variants import rel_error
 from shardopt.core import adamw, plan_partition
 from shardopt.functional import (
     consolidate_state_dict,
@@ -24,11 +25,6 @@ STEPS = 5
 # float32, 5 steps, the same fused kernel as torch's on gradients equal up to the order of
 # backward's reductions: 1e-5 of each tensor's largest value (a stale parameter is off by ~LR)
 TOL = 1e-5
-
-
-def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = max(ref.abs().max().item(), 1e-30)
-    return (ours.double() - ref.double()).abs().max().item() / scale
 
 
 def train_gpt(world: World, stage: int, strategy: str) -> tuple[list[torch.Tensor], float, float]:

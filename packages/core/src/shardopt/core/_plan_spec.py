@@ -158,6 +158,9 @@ class TensorSpec:
         return cls(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), param_group)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # DTensor subclasses torch.Tensor: never these
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local tensor of a DTensor (its storage, not a copy), else
     ``t`` itself. A DTensor parameter (tensor parallelism) is planned and sharded by it.
@@ -167,6 +170,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(t) is t
         True
     """
+    if type(t) in _PLAIN:  # the hot path (every gradient, every step): no DTensor
+        return t
     # None made before its module is imported; torch < 2.5 has it in torch.distributed._tensor.
     for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
         dtensor = getattr(sys.modules.get(name), "DTensor", None)

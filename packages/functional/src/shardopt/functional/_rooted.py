@@ -34,6 +34,8 @@ GROUP_RANKS = frozenset(
     for name, kind in _ROOTED.items()
     if f"group_{kind}" in inspect.signature(getattr(dist, name)).parameters
 )
+# Each function's root keyword in this torch: "group_src" where it takes a group rank, else "src".
+_KEYWORD = {n: f"group_{k}" if n in GROUP_RANKS else k for n, k in _ROOTED.items()}
 
 
 def _global(group: ProcessGroup, rank: int) -> int:
@@ -45,8 +47,7 @@ def _global(group: ProcessGroup, rank: int) -> int:
 
 def _root(name: str, group: ProcessGroup, rank: int) -> dict[str, Any]:
     """The root keyword of ``dist.<name>``: ``group_src=rank`` or ``src=<its global rank>``."""
-    kind = _ROOTED[name]
-    return {f"group_{kind}": rank} if name in GROUP_RANKS else {kind: _global(group, rank)}
+    return {_KEYWORD[name]: rank if name in GROUP_RANKS else _global(group, rank)}
 
 
 def broadcast_from(
