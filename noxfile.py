@@ -26,7 +26,11 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # (the pinned requirements, the packages' pyproject.toml files) change, as recorded in its stamp
 # file.
 SHARED = os.path.join(".nox", "shared")
-REQUIREMENTS = ("ci/requirements.txt", "ci/requirements-test.txt")
+REQUIREMENTS = (
+    "ci/requirements.txt",
+    "ci/requirements-test.txt",
+    "ci/requirements-integration.txt",
+)
 
 # [Note: torch range]
 # Every package declares torch>=2.4, and each end of that range is tested: the torch_range
@@ -99,6 +103,30 @@ def torch_range(session: nox.Session, torch: str) -> None:
         bin_dir, env = _venv(session, where, (f"torch=={torch}", "-r", "ci/requirements-test.txt"))
     doctests = ("--doctest-modules", "README.md", *SOURCE_PATHS) if torch != TORCH_FLOOR else ()
     args = session.posargs or ["-n", "auto", "--timeout=600", *RANGE_TESTS, *doctests]
+    session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
+
+
+# [Note: integration]
+# shardopt inside the stacks users train with: transformers, accelerate and pytorch-lightning,
+# test-only dependencies pinned in ci/requirements-integration.txt and installed only in this
+# session's venv, .nox/integration (with ci/requirements.txt: the same torch and test tools as
+# .nox/shared), so no other session sees them and no shardopt module may import them. The tests
+# (packages/functional/tests/integration) are tiny random-init models at W=2 over gloo on CPU,
+# each beside the same run with torch's own classes. Elsewhere (the tests session) that folder's
+# conftest.py leaves its test files uncollected, without skips; here SHARDOPT_INTEGRATION=1 makes
+# it fail at once when one of the three is missing.
+INTEGRATION = os.path.join(".nox", "integration")
+INTEGRATION_REQUIREMENTS = ("-r", "ci/requirements.txt", "-r", "ci/requirements-integration.txt")
+INTEGRATION_TESTS = ("packages/functional/tests/integration",)
+
+
+@nox.session(venv_backend="none")
+def integration(session: nox.Session) -> None:
+    """The integration tests in transformers, accelerate and Lightning ([Note: integration])."""
+    bin_dir, env = _venv(session, INTEGRATION, INTEGRATION_REQUIREMENTS)
+    env = {**env, "SHARDOPT_INTEGRATION": "1"}
+    options = ("-n", "auto", "--timeout=600", "-p", "no:cacheprovider")
+    args = session.posargs or [*options, *INTEGRATION_TESTS]
     session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
 

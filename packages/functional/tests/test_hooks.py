@@ -114,6 +114,41 @@ def test_hooks_match_torch_on_the_full_batch_and_free_or_keep_every_gradient(
         assert sizes == shard_numels  # gradient memory: the rank's compact shard
 
 
+def loop_without_zero_grad(
+    rank: int, world: int, hooked: bool, micro: int
+) -> tuple[list[torch.Tensor], bool]:
+    """Stage 2, ``micro`` backward passes a step and never a ``zero_grad``; returns the final
+    parameters and whether every ``.grad`` was None after each step."""
+    net = make_net()
+    params = list(net.parameters())
+    sharded = shard(adam(1e-2), plan_partition(params, world, bucket_numel=128), stage=2)
+    state = sharded.init(params)
+    hooks = register_grad_hooks(params, state) if hooked else None
+    freed = True
+    for step in range(5):
+        for k in range(micro):
+            loss_of(net, micro * step + k, rank).backward()
+        state = sharded.step(params, None, state)
+        freed = freed and all(p.grad is None for p in params)
+    if hooks is not None:
+        hooks.remove()
+    return [p.detach().clone() for p in params], freed
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_stage_2_asks_the_same_loop_with_or_without_gradient_hooks(run_world, micro):
+    hooked = run_world(loop_without_zero_grad, 2, True, micro)
+    plain = run_world(loop_without_zero_grad, 2, False, micro)
+    for (ours, freed), (theirs, freed_plain) in zip(hooked, plain):
+        assert freed, "stage 2 with hooks left a .grad for the loop to clear"
+        assert freed_plain, "stage 2 without hooks left a .grad for the loop to clear"
+        for a, b in zip(ours, theirs):
+            if micro == 1:  # the same reductions of the same gradients
+                assert torch.equal(a, b)
+            else:  # reduced per micro-step with hooks, summed first without: rounding apart
+                assert (a - b).abs().max() <= 1e-6
+
+
 def hooks_then_plain(rank: int, world: int) -> str:
     net = make_net()
     params = list(net.parameters())

@@ -12,18 +12,22 @@ delayed collectives still match across ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
-from shardopt.core import DEFAULT_BUCKET_NUMEL, adam, plan_partition
+from shardopt.core import DEFAULT_BUCKET_NUMEL, adam, adamw, plan_partition
 from shardopt.functional import (
     Pending,
     consolidate_state_dict,
     load_checkpoint,
+    register_grad_hooks,
     register_param_hooks,
     save_checkpoint,
     shard,
@@ -31,6 +35,10 @@ from shardopt.functional import (
     torch_hyperparams,
     wait_params,
 )
+from shardopt.functional._compiled_wait import inlines_module_hooks
+from shardopt.testing import World
+
+from _functional_helpers import CountingBackend
 
 LR = 0.1
 TOL = 1e-5  # ours against torch.optim.Adam on the full batch (float32); stale values are ~LR off
@@ -204,3 +212,155 @@ def test_no_path_reads_stale_parameters_while_the_gathers_are_in_flight(
         assert "output_error" in rows["forward"]
         assert "saved_error" in rows["save_checkpoint"]
     assert "state_error" in results[0]["consolidate"]
+
+
+# -- under torch.compile: see [Note: compiled forward] ---------------------------------------------
+
+
+class Blocks(nn.Module):
+    """Four pre-norm MLP blocks called in a loop: 12 modules holding parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {"norm": nn.LayerNorm(8), "up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}
+            )
+            for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["down"](torch.tanh(block["up"](block["norm"](x))))
+        return x
+
+
+class Tangled(nn.Module):
+    """An embedding, four linears and a head tied to the embedding, called out of registration
+    (and bucket) order, one of them twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.layers[2](self.embed(tokens)))
+        h = torch.tanh(self.layers[0](h))
+        h = torch.tanh(self.layers[1](torch.tanh(self.layers[1](h))))
+        return self.layers[3](self.head(h)[..., :8])
+
+
+def blocks_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def tangled_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(16, (4, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+@contextlib.contextmanager
+def module_hooks_traced() -> Iterator[None]:
+    """torch 2.4's dynamo traces the hooks of torch's own modules only with this flag (always
+    on, and deprecated, from torch 2.5): see [Note: compiled forward]."""
+    if inlines_module_hooks():
+        yield
+    else:
+        with torch._dynamo.config.patch(inline_inbuilt_nn_modules=True):
+            yield
+
+
+def train_with_hooks(
+    world: World,
+    build: Callable[[], nn.Module],
+    batch: Callable[[int, int], torch.Tensor],
+    backend: Any,
+    *,
+    bucket: int,
+    steps: int = 4,
+) -> tuple[list[torch.Tensor], int, list[int]]:
+    """``steps`` of stage 2 AdamW with both hooks on ``build()``, compiled with ``backend``
+    (None: eager); returns the final parameters, the number of buckets and the waits of the
+    last forward (each: through how many buckets)."""
+    torch.manual_seed(0)
+    model = build()
+    params = list(model.parameters())
+    sharded = shard(adamw(0.05), plan_partition(params, 2, bucket_numel=bucket), stage=2)
+    state = sharded.init(params)
+    hooks = [register_grad_hooks(params, state), register_param_hooks(model, state)]
+    waits: list[int] = []
+    layout, real = state.layout, state.layout.wait_params_through
+
+    def recorded(end: int) -> None:
+        waits.append(end)
+        real(end)
+
+    layout.wait_params_through = recorded
+    torch._dynamo.reset()
+    net = model if backend is None else torch.compile(model, backend=backend)
+    for step in range(steps):
+        waits.clear()
+        net(batch(step, world.rank)).float().square().mean().backward()
+        state = sharded.step(params, None, state)
+        assert layout.params_pending  # the next forward waits
+    wait_params(state)
+    for h in hooks:
+        h.remove()
+    return [p.detach().clone() for p in params], len(layout.keys), waits
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_a_compiled_forward_is_one_graph_whatever_the_buckets_and_trains_bitwise_as_eager(
+    world: World,
+) -> None:
+    """Four blocks called in a loop (12 modules with parameters), cut into several buckets, both
+    hooks, compiled: no graph break, one graph for the first forward and one for the forwards
+    with gathers in flight, so at most buckets + 2 (the issue's bound); the compiled forward
+    still waits bucket by bucket, where eager does (the gathers overlap it); and after four
+    steps the parameters are bitwise those of the same loop in eager mode."""
+    with module_hooks_traced():
+        counting = CountingBackend()
+        torch._dynamo.utils.counters.clear()
+        compiled, buckets, waits = train_with_hooks(
+            world, Blocks, blocks_batch, counting, bucket=160
+        )
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    eager, _, eager_waits = train_with_hooks(world, Blocks, blocks_batch, None, bucket=160)
+    modules = sum(1 for m in Blocks().modules() if any(True for _ in m.parameters(False)))
+    assert buckets >= 4
+    assert modules == 12
+    assert breaks == 0, torch._dynamo.utils.counters["graph_break"]
+    assert counting.graphs <= 2 <= buckets + 2, f"{counting.graphs} graphs, {buckets} buckets"
+    assert waits == eager_waits == list(range(1, buckets + 1))  # bucket by bucket, as eager
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+# dynamo's own warning, resuming after a graph break with a non-leaf tensor alive (torch 2.13)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("wait", ["in the graph", "in the graph, aot_eager", "graph break"])
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_a_tied_out_of_order_compiled_forward_never_reads_a_stale_parameter(
+    world: World, wait: str
+) -> None:
+    """With the gathers delayed until waited (a read before its wait sees the other rank's
+    shards old), a compiled forward that calls the modules out of bucket order, one twice, with
+    a head tied to the embedding, trains bitwise as eager: whether the waits are ops in the
+    graph (run as traced, or functionalized by aot_eager), or graph breaks (the fallback)."""
+    delay_gathers()
+    backend: Any = "aot_eager" if "aot_eager" in wait else CountingBackend()
+    if wait == "graph break":
+        traced: Any = mock.patch(
+            "shardopt.functional._compiled_wait.inlines_module_hooks", return_value=False
+        )
+    else:
+        traced = module_hooks_traced()
+    with traced:
+        compiled, buckets, waits = train_with_hooks(
+            world, Tangled, tangled_batch, backend, bucket=72
+        )
+    eager, _, eager_waits = train_with_hooks(world, Tangled, tangled_batch, None, bucket=72)
+    assert buckets >= 4
+    assert waits == eager_waits
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 from typing import Any
 
@@ -294,19 +295,52 @@ def test_attributes_are_torch_s(world: World, partition: str) -> None:
 
 
 @pytest.mark.world(2, backend="gloo", timeout=60)
-def test_state_dict_raises_runtime_error_where_not_consolidated(world: World) -> None:
+def test_state_dict_answers_alone_while_empty_and_raises_where_not_consolidated(
+    world: World,
+) -> None:
     model = three_linears()
     o = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=LR)
+    assert o.state_dict()["state"] == {}  # never stepped: nothing to gather, on any rank alone
+    o.load_state_dict(o.state_dict())  # what accelerate does when it wraps the optimizer
+    assert o.state_dict()["state"] == {}
+    made = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adagrad, lr=LR)
+    with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(to=\d\)"):
+        made.state_dict()  # Adagrad makes its state at construction: it must be gathered
+    model(torch.ones(2, 5)).sum().backward()
+    o.step()
     with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(to=\d\)"):
         o.state_dict()
     o.consolidate_state_dict(to=1)
     if world.rank == 1:
-        assert o.state_dict()["state"] == {}  # no step yet: no state, as torch
+        assert len(o.state_dict()["state"]) == 6
     else:
         with pytest.raises(RuntimeError, match=r"state consolidated on this rank"):
             o.state_dict()
     with pytest.raises(ValueError, match=r"expected 0 <= to < world_size=2, got 2"):
         o.consolidate_state_dict(to=2)
+
+
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_consolidate_for_saving_gathers_on_the_saving_rank_and_refuses_use_elsewhere(
+    world: World,
+) -> None:
+    model = three_linears()
+    o = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=LR, partition="flat")
+    model(torch.ones(2, 5)).sum().backward()
+    o.step()
+    o.consolidate_for_saving(saving=world.rank == 0)
+    out = o.state_dict()  # every rank answers, as accelerate's save_state asks
+    if world.rank == 0:
+        assert sorted(out["state"]) == list(range(6))
+    else:
+        with pytest.raises(RuntimeError, match=r"on group rank\(s\) \[0\] only"):
+            torch.save(out, io.BytesIO())  # the placeholder refuses to be saved or read
+        with pytest.raises(RuntimeError, match=r"got rank 1"):
+            len(out["state"])
+    o.step()
+    if world.rank == 1:
+        with pytest.raises(RuntimeError, match=r"state consolidated on this rank"):
+            o.state_dict()
 
 
 def check_sync(model: torch.nn.Module, group: Any, ranks: list[int]) -> None:
@@ -424,3 +458,40 @@ def test_param_hooks_need_the_parameters_in_the_flat_buffers(world: World) -> No
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=LR)
     with pytest.raises(ValueError, match=r"register_param_hooks: expected parameters_as_bucket"):
         zero.register_param_hooks(model)
+
+
+def three_steps(model: torch.nn.Module, opt: ZeroRedundancyOptimizer) -> list[torch.Tensor]:
+    for step in range(3):
+        model(torch.full((2, 5), float(step + 1))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("options", [{"partition": "flat"}, {"parameters_as_bucket_view": True}])
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_a_same_device_move_of_the_model_keeps_the_parameters_in_the_buffers(
+    world: World, options: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    model, moved = three_linears(), three_linears()
+    moved.load_state_dict(model.state_dict())
+    expected = three_steps(
+        model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=LR, **options)
+    )
+    opt = ZeroRedundancyOptimizer(moved.parameters(), torch.optim.Adam, lr=LR, **options)
+    moved.to(torch.device("cpu", 0))  # HF Trainer's device on CPU: it copies every parameter
+    assert all(torch.equal(a, b) for a, b in zip(three_steps(moved, opt), expected))
+
+
+@pytest.mark.world(1, backend="gloo", timeout=60)
+def test_load_state_dict_refuses_state_keys_that_are_not_param_ids(world: World) -> None:
+    model = three_linears()
+    o = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=LR)
+    model(torch.ones(2, 5)).sum().backward()
+    o.step()
+    o.consolidate_state_dict(to=0)
+    saved = o.state_dict()
+    saved["state"] = {str(k): v for k, v in saved["state"].items()}  # as after a DCP round trip
+    with pytest.raises(ValueError, match=r"expected the keys of state to be the ids"):
+        o.load_state_dict(saved)

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from shardopt.core.blocks import local_tensor
-from shardopt.functional._layout import BucketKey, FlatLayout
+from shardopt.functional._compiled_wait import compiled_wait, hook_ancestors
+from shardopt.functional._layout import FlatLayout
 
 __all__ = [
     "GradHooks",
@@ -36,6 +37,29 @@ __all__ = [
 # fraction of the last pass's elements launched while some gradient of the pass was still to
 # come (before the last gradient hook): the part of the reduction that backward can hide.
 #
+# [Note: compiled forward]
+# Dynamo traces the forward pre-hooks of register_param_hooks with the forward. A wait that breaks
+# the graph costs more than one break: dynamo cannot resume inside a nested call, so the break
+# splits every frame on the stack, and one inside a loop (over a model's blocks) makes it run the
+# loop's whole frame eagerly, compiling each module called from it as a graph of its own. So a
+# hook's traced path must hold no break. The layout keeps a frontier ``synced``: no bucket before
+# it has a gather in flight. Gathers launch in bucket order, so a module whose parameters lie in
+# the first ``end`` buckets waits, in order, for those still in flight among them (they land
+# first anyway); its hook tests ``synced < end``, which dynamo traces as a guard on one int and
+# nothing else once synced. Under dynamo a hook that must wait puts the wait in the graph: one op
+# ``shardopt::param_wait`` per parameter of those buckets, under no_grad, declared as mutating
+# the parameter. The first waits; the mutation orders every later read of the parameter after
+# it, in the graph as traced and through functionalizing backends (aot_eager, inductor), which
+# may pass the op a copy: it then fills the copy. A compiled forward is one graph per frontier
+# at entry (two in a training loop: the first forward, and the others with gathers in flight),
+# whatever the buckets, modules and forward order (tied weights, a module called twice). Where
+# the op cannot serve (DTensor parameters; torch 2.4, unless its dynamo config
+# ``inline_inbuilt_nn_modules`` is set, puts torch's own modules in the graph whole and traces
+# only some hooks), the wait is a ``torch.compiler.disable`` call instead: one graph break per
+# bucket at most, with the splitting above. On torch 2.4 a no-op hook on every module containing
+# hooked ones makes dynamo trace them, or their hooks would run at compile time only. Register
+# the hooks before the first compiled forward: dynamo does not guard on a module's hooks.
+#
 # [Note: gradient presence]
 # Each rank knows only which of its own gradients are None. A rank without a gradient that others
 # have packs zeros, so the shard holds the rank average with the missing ones counted as zero
@@ -57,6 +81,15 @@ __all__ = [
 # micro-step instead of one per step. That is the point of stage 2
 # (ZeRO-2 does the same). The shard then equals the sum over micro-steps of the rank-averaged
 # gradients, which is what ``p.grad`` holds after the same ``backward`` calls on one process.
+#
+# [Note: one loop contract]
+# A training loop must not have to change when the gradient hooks are added or dropped. Stage 2
+# owns the full gradients once it reduces them: with hooks each one is freed as it is packed,
+# and without hooks ``step`` (given grads=None, so reading ``.grad``) frees every ``.grad`` after
+# reducing them. Either way ``.grad`` is None after ``step``, so a loop without ``zero_grad``
+# trains the same with or without hooks, and ``zero_grad`` stays harmless. Stage 1 keeps the
+# full gradients either way, as torch.optim does: its loop calls ``zero_grad`` (with or without
+# hooks, a missed one sums the old gradient into the next step, as in torch).
 
 
 class GradReducer:
@@ -278,8 +311,11 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
 
     While registered, ``step`` launches each bucket's all-gather as soon as its shard is updated
     and returns without waiting; a forward pre-hook on each submodule of ``module`` that holds
-    parameters of ``state`` waits for the buckets of those parameters. Parameters read outside a
-    forward must be waited for with :func:`wait_params` (see [Note: deferred parameter sync]).
+    parameters of ``state`` waits for the buckets of those parameters (and the buckets before
+    them). Parameters read outside a forward must be waited for with :func:`wait_params` (see
+    [Note: deferred parameter sync]). Under ``torch.compile`` the waits are in the graph where
+    torch allows it, else each is one graph break: register before the first compiled forward
+    (see [Note: compiled forward]).
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -306,26 +342,34 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
             holds none of its parameters.
     """
     layout = _layout_of("register_param_hooks", state)
-    where: dict[int, BucketKey] = {}
-    for t, spec in enumerate(layout.plan.tensors):
-        g, b, offset = layout.plan.locate(t)
-        buf = layout.buffers[g]
-        if spec.numel:
-            where[buf.data_ptr() + offset * buf.element_size()] = (g, b)
-    handles = []
+    places = _places(layout)
+    compiled = compiled_wait(layout, list(module.parameters()), places)
+    handles, hooked = [], []
     for sub in module.modules():
-        keys = sorted(
-            {where[ptr] for ptr in map(_address, sub.parameters(recurse=False)) if ptr in where}
-        )
-        if keys:
-            handles.append(sub.register_forward_pre_hook(_waiter(layout, tuple(keys))))
+        found = [places[a] for a in map(_address, sub.parameters(recurse=False)) if a in places]
+        if found:
+            end = 1 + max(b for _, b in found)  # wait through the last bucket it reads
+            handles.append(sub.register_forward_pre_hook(_waiter(layout, end, compiled)))
+            hooked.append(sub)
     if not handles:
         raise ValueError(
             "register_param_hooks: expected a module holding parameters of the state, got a "
             f"{type(module).__name__} holding none"
         )
+    handles += hook_ancestors(module, hooked)  # torch 2.4: see [Note: compiled forward]
     layout.deferred += 1
     return ParamHooks(layout, handles)
+
+
+def _places(layout: FlatLayout) -> dict[int, tuple[int, int]]:
+    """(plan tensor, index of its bucket in ``layout.keys``) by the address of its elements."""
+    out = {}
+    for t, spec in enumerate(layout.plan.tensors):
+        g, b, offset = layout.plan.locate(t)
+        buf = layout.buffers[g]
+        if spec.numel:
+            out[buf.data_ptr() + offset * buf.element_size()] = (t, layout.keys.index((g, b)))
+    return out
 
 
 def _address(p: torch.Tensor) -> int:
@@ -333,10 +377,16 @@ def _address(p: torch.Tensor) -> int:
     return local_tensor(p).data_ptr()
 
 
-def _waiter(layout: FlatLayout, keys: tuple[BucketKey, ...]) -> Callable[..., None]:
+def _waiter(layout: FlatLayout, end: int, compiled: Callable[[int], None]) -> Callable[..., None]:
+    """The forward pre-hook of a module whose parameters lie in the first ``end`` buckets."""
+
     def hook(module: torch.nn.Module, args: Any) -> None:
         del module, args
-        layout.wait_params(keys)
+        if layout.synced < end:  # traced: a guard on an int, nothing else when synced
+            if torch.compiler.is_compiling():
+                compiled(end)
+            else:
+                layout.wait_params_through(end)
 
     return hook
 

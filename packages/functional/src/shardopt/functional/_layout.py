@@ -72,9 +72,10 @@ BucketKey = tuple[int, int]  # (plan group, bucket in the group)
 # and by default waits for them all. With ``register_param_hooks`` it updates every piece first,
 # then launches the gathers in bucket order and returns at once ([Note: update and gather
 # pipeline]); the gathers run while the caller starts the next forward: each module's forward
-# pre-hook waits for the buckets holding its parameters, so compute on a bucket starts when that
-# bucket has arrived. Until then the parameters hold a mix of old and new values, so everything that
-# reads them outside a forward waits first: the next ``step`` (its update writes the shards the
+# pre-hook waits for the buckets holding its parameters (and, in order, those before them: see
+# [Note: compiled forward] in _hooks.py), so compute on a bucket starts when it has arrived.
+# Until then the parameters hold a mix of old and new values, so everything that reads them
+# outside a forward waits first: the next ``step`` (its update writes the shards the
 # gathers are sending), ``sharded_state_dict``, ``consolidate_state_dict``, ``save_checkpoint``,
 # the drop-in's ``state_dict``, and the public ``wait_params(state)`` for the caller's own reads
 # (evaluation, logging, the end of training). A rank waits only on its own handles, so this
@@ -114,6 +115,9 @@ class FlatLayout:
         self._slot = [0] * len(plan.groups)
         self._grads = PendingQueue()
         self._params: dict[BucketKey, Pending] = {}
+        self._order = {key: i for i, key in enumerate(self.keys)}
+        # The buckets keys[:synced] have no parameter sync in flight (the sync frontier).
+        self.synced = len(self.keys)
         self._param_views: list[torch.Tensor] | None = None
         self.deferred = 0  # registered param hooks: step leaves its gathers in flight
 
@@ -240,15 +244,22 @@ class FlatLayout:
             self.buffers[key[0]], bucket, group=self.group, async_op=True, algorithm=self.algorithm
         )
         self._params[key] = pending
+        self.synced = min(self.synced, self._order[key])
 
     def wait_params(self, keys: Iterable[BucketKey] | None = None) -> None:
         """Waits for the parameter syncs in flight of buckets ``keys`` (None: all)."""
-        if not self._params:
-            return
-        for key in list(self._params) if keys is None else keys:
-            pending = self._params.pop(key, None)
-            if pending is not None:
-                pending.wait()
+        if self._params:
+            for key in list(self._params) if keys is None else keys:
+                pending = self._params.pop(key, None)
+                if pending is not None:
+                    pending.wait()
+        while self.synced < len(self.keys) and self.keys[self.synced] not in self._params:
+            self.synced += 1
+
+    def wait_params_through(self, end: int) -> None:
+        """Waits, in bucket order, for the parameter syncs in flight of the first ``end``
+        buckets of ``keys``; then ``synced >= end`` (see [Note: compiled forward] in _hooks.py)."""
+        self.wait_params(self.keys[self.synced : end])
 
     @property
     def params_pending(self) -> bool:

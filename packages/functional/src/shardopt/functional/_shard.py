@@ -158,7 +158,9 @@ def shard(
     with :func:`register_grad_hooks`, then ``grads`` must be None), the rank updates its shard,
     and the shards are all-gathered bucket by bucket (see [Note: update and gather pipeline];
     with :func:`register_param_hooks` the gathers overlap the next forward). Stage 1 keeps the
-    full gradients; stage 2 frees them as they are reduced in hooks. With
+    full gradients (``zero_grad`` them, as for torch.optim); stage 2 frees them, in the hooks
+    as they are reduced or, without hooks, in ``step``: the same loop either way (see
+    [Note: one loop contract]). With
     ``grads_averaged=True`` (stage 1 only) the gradients are taken as already averaged (DDP)
     and nothing is reduced (see [Note: stage 1 averages]).
 
@@ -375,6 +377,9 @@ def _reduced_grads(
     if reducer is None:
         return error, None, layout.grad_views(full)
     present = reducer.finish() if hooked else reducer.reduce(full)
+    if reducer.free_grads and grads is None and error is None:  # see [Note: one loop contract]
+        for p in params:
+            p.grad = None
     return error, present, _present_views(state, present)
 
 

@@ -7,11 +7,13 @@ from shardopt.optim._averagers import (
 )
 from shardopt.optim._averaging import average_parameters
 from shardopt.optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from shardopt.optim._frameworks import ConsolidateOnSave
 from shardopt.optim._post_local_sgd import PostLocalSGDOptimizer
 from shardopt.optim._rpc_optimizer import DistributedOptimizer
 from shardopt.optim._zero import ZeroRedundancyOptimizer
 
 __all__ = [
+    "ConsolidateOnSave",
     "DistributedOptimizer",
     "HierarchicalModelAverager",
     "ModelAverager",

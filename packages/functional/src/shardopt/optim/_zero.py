@@ -12,8 +12,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardopt.core import Plan, Strategy
-from shardopt.functional.engine import comm_device, describe, mesh_groups
-from shardopt.optim._zero_engine import EngineSync
+from shardopt.functional.engine import describe, mesh_groups
+from shardopt.optim._zero_engine import EngineSync, reseat
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
 from shardopt.optim._zero_params import (
@@ -21,7 +21,6 @@ from shardopt.optim._zero_params import (
     check_grads,
     check_options,
     check_param_types,
-    check_rank,
     describe_group,
     group_params,
     read_params,
@@ -32,12 +31,7 @@ from shardopt.optim._zero_partition import (
     partition_parameters,
     step_only,
 )
-from shardopt.optim._zero_state_dict import (
-    consolidate_greedy,
-    load_greedy,
-    local_states,
-    saved_entries,
-)
+from shardopt.optim._zero_state_dict import StateDictMethods
 from shardopt.optim._zero_transport import on_device
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -47,7 +41,7 @@ logger = logging.getLogger(__name__)
 API = "ZeroRedundancyOptimizer"
 
 
-class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -134,6 +128,8 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
         self._optim_defaults = defaults
         self._optim_constructor = optimizer_class
         self._consolidated: dict[int, dict[str, Any]] | None = None
+        self._pristine = True  # never stepped, nor loaded with state
+        self._saving_on: list[int] | None = None  # see consolidate_for_saving
         self._warned_overlap_step = False
         self._cache: dict[str, Any] = {}
         self._layout = None  # greedy with bucket views: the engine (see EngineSync)
@@ -227,7 +223,10 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
             self._step_and_sync(None, {})
 
     def _step_and_sync(self, closure: Callable[[], Any] | None, kwargs: dict[str, Any]) -> Any:
+        self._pristine, self._saving_on = False, None
         self.wait_params()  # the update writes what the last gathers send
+        if self._layout is not None:
+            reseat(self._layout, self._index_to_param)  # see [Note: re-seated parameters]
         if not self._flat and closure is None:  # (flat: shard's step checks every gradient)
             check_grads(self._all_params, self._optim_constructor)
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
@@ -246,6 +245,7 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
         ``.grad`` (no parameter sync). For the DDP communication hooks."""
         if self._flat:
             raise RuntimeError(f"{API}._step_params: expected partition='greedy', got 'flat'")
+        self._pristine, self._saving_on = False, None
         to_rank = self._param_to_rank
         mine = {id(p) for p in params if to_rank.get(p) == self.rank and p.grad is not None}
         if mine:
@@ -304,64 +304,6 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
             self.optim.prepare(self.param_groups[-1])
         return None, describe([len(self.param_groups), describe_group(self.param_groups[-1])])
 
-    # -- state dicts ---------------------------------------------------------------------------
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
-
-        See [Note: consolidation without pickled tensors]. Afterwards :meth:`state_dict` works on
-        rank ``to`` (and raises on the others).
-        """
-        agreed(
-            f"{API}.consolidate_state_dict",
-            lambda: _checked_rank(to, self.world_size),
-            self.process_group,
-            lambda: self._default_device,
-        )
-        self.wait_params()
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        with on_device(self._default_device):
-            if self._flat:
-                state = self.optim.consolidate(self._param_to_index, to=to)
-            else:
-                states = local_states(self.optim, self._param_to_index.__getitem__)
-                device = comm_device(self.process_group, self._default_device)
-                state = consolidate_greedy(states, to=to, group=self.process_group, device=device)
-        self._consolidated = state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The global state in torch.optim's format, as of the last :meth:`consolidate_state_dict`
-        (the param groups as they are now).
-
-        Raises:
-            RuntimeError: the state was not consolidated on this rank.
-        """
-        if self._consolidated is None:
-            raise RuntimeError(
-                f"{API}.state_dict: expected the optimizer state consolidated on this rank, got "
-                f"none on rank {self.rank}; call consolidate_state_dict(to={self.rank}) on all "
-                "ranks first"
-            )
-        self.wait_params()
-        out = super().state_dict()
-        out["state"] = dict(sorted(self._consolidated.items()))
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
-        torch.optim one over the same parameters): each rank keeps what it owns.
-
-        Raises:
-            ValueError: the param groups do not have this optimizer's sizes.
-        """
-        entries = saved_entries(state_dict, self.param_groups)
-        self._sync_param_groups(state_dict["param_groups"], self.param_groups)
-        if self._flat:
-            self.optim.load(entries)
-        else:
-            load_greedy(self.optim, state_dict["param_groups"], entries.get)
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
-
     # -- Joinable ------------------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -377,9 +319,3 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, Optimizer, Joinable):
     def join_process_group(self) -> Any:
         """The process group of the join context."""
         return self.process_group
-
-
-def _checked_rank(to: Any, world_size: int) -> tuple[None, Any]:
-    """consolidate_state_dict's local check, and what must agree: ``to``."""
-    check_rank("consolidate_state_dict", "to", to, world_size)
-    return None, to

@@ -11,7 +11,7 @@ from shardopt.core import Plan
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
 from shardopt.functional.engine import StagedSync, broadcast_tensors, build_layout
 
-__all__ = ["EngineSync"]
+__all__ = ["EngineSync", "reseat"]
 
 API = "ZeroRedundancyOptimizer"
 
@@ -29,6 +29,43 @@ API = "ZeroRedundancyOptimizer"
 # - the DDP comm hooks sync the parameters of one DDP bucket at a time: one broadcast per owner
 #   and run of adjacent parameters (``broadcast_tensors``).
 # Either way a sync costs one collective per owner and bucket, never one per parameter.
+
+#
+# [Note: re-seated parameters]
+# With bucket views, and always under partition="flat", the parameters are views of the engine's
+# flat buffers. ``module.to(device)`` to a device that is the same but compares unequal (HF
+# Trainer moves the model to ``cpu:0`` while the parameters are on ``cpu``) copies each parameter
+# and rebinds its ``.data``, leaving the buffers behind. Before each step, ``reseat`` copies such
+# a parameter (same shape, dtype, device type and index) back into its place in the buffer and
+# rebinds it to its view; a parameter moved anywhere else is left for the step to refuse
+# (flat) or is not synced (greedy, as torch's).
+
+
+def reseat(layout: FlatLayout, params: Sequence[torch.Tensor]) -> None:
+    """Rebinds each of ``params`` (the layout's tensors, in order) that a same-device move copied
+    out of the flat buffers back to its view there, with its current value (see
+    [Note: re-seated parameters])."""
+    for t, p in enumerate(params):
+        g, _, offset = layout.plan.locate(t)
+        buf, n = layout.buffers[g], p.numel()
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) or n == 0:
+            continue  # a DTensor's local tensor cannot be rebound here
+        if p.data_ptr() == buf.data_ptr() + offset * buf.element_size():
+            continue
+        same_device = (p.device.type, p.device.index or 0) == (
+            buf.device.type,
+            buf.device.index or 0,
+        )
+        if (
+            not same_device
+            or p.dtype != buf.dtype
+            or tuple(p.shape) != layout.plan.tensors[t].shape
+        ):
+            continue
+        view = buf[offset : offset + n].view(p.shape)
+        with torch.no_grad():
+            view.copy_(p.detach())
+        p.data = view
 
 
 class EngineSync:

@@ -23,6 +23,7 @@ from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional import ShardedState, ShardedTransformation, shard
 from shardopt.functional.engine import ProcessGroup, init_values, probe_fields, shaped
 from shardopt.optim._core_mapping import plan_local_optimizer
+from shardopt.optim._zero_engine import reseat
 from shardopt.optim._zero_flat_state import (
     consolidate_flat,
     load_flat,
@@ -297,6 +298,7 @@ class FlatShardOptimizer:
                 loss = closure()
         for unit, group in zip(self._units, self.param_groups):
             if unit is not None:
+                reseat(unit.state.layout, unit.params)  # see [Note: re-seated parameters]
                 self._refresh(unit, group)
                 try:
                     unit.state = unit.sharded.step(unit.params, None, unit.state)

@@ -2,24 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from shardopt.functional.engine import ProcessGroup, irecv_from, isend_to
+from shardopt.functional.engine import ProcessGroup, comm_device, irecv_from, isend_to
+from shardopt.optim._zero_params import agreed, check_rank
 from shardopt.optim._zero_transport import (
     gather_objects,
+    on_device,
     pack_tensors,
     snapshot,
     unpack_tensor,
     wait_all,
 )
 
-__all__ = ["consolidate_greedy", "load_greedy", "local_states", "saved_entries"]
+__all__ = [
+    "StateDictMethods",
+    "StateElsewhere",
+    "consolidate_greedy",
+    "load_greedy",
+    "local_states",
+    "saved_entries",
+    "saving_ranks",
+]
 
 API = "ZeroRedundancyOptimizer"
+
+# [Note: state dicts without consolidation]
+# torch's ZeroRedundancyOptimizer answers ``state_dict()`` only on the rank it last consolidated
+# to, and raises elsewhere. Two cases need no gathering and answer on any rank, alone:
+# - the state is known empty: the optimizer was never stepped (nor loaded with a non-empty
+#   state), and the class makes its state on the first step (probed once on one tensor; Adagrad,
+#   which makes it at construction, still needs consolidating). This is what accelerate's
+#   ``AcceleratedOptimizer`` asks for when it wraps the optimizer, on every rank.
+# - ``consolidate_for_saving`` ran and this rank does not save: frameworks that save from one rank
+#   still call ``state_dict()`` on every rank and drop what the others return (accelerate's
+#   ``save_state``). Those ranks get the param groups and a StateElsewhere as "state", which
+#   raises, naming the saving ranks, on any use: pickling it, reading it, iterating it.
 
 
 def local_states(
@@ -127,6 +149,12 @@ def saved_entries(
     saved_ids = [i for g in saved_groups for i in g["params"]]
     params = [p for g in groups for p in g["params"]]
     state = state_dict["state"]
+    unknown = [k for k in state if k not in set(saved_ids)]
+    if unknown:  # e.g. ids turned into strings by a round trip through DCP or JSON
+        raise ValueError(
+            f"{API}.load_state_dict: expected the keys of state to be the ids in param_groups "
+            f"({saved_ids[:3]}...), got {unknown[:3]!r}"
+        )
     return {p: state[i] for i, p in zip(saved_ids, params) if i in state}
 
 
@@ -149,3 +177,175 @@ def load_greedy(
                 state[index] = entry
             index += 1
     optim.load_state_dict({"state": state, "param_groups": local_groups})
+
+
+class StateElsewhere(Mapping[int, Any]):
+    """The "state" of a state dict on a rank that does not save: raises on any use.
+
+    See [Note: state dicts without consolidation].
+    """
+
+    def __init__(self, rank: int, saving: Sequence[int]) -> None:
+        self.rank, self.saving = rank, tuple(saving)
+
+    def _refuse(self) -> NoReturn:
+        raise RuntimeError(
+            f"{API}.state_dict: expected to be used on a rank that saves, got rank {self.rank}: "
+            f"consolidate_for_saving gathered the state on group rank(s) {list(self.saving)} "
+            "only; call consolidate_state_dict(to=this rank) on all ranks to get it here"
+        )
+
+    def __getitem__(self, key: int) -> Any:
+        self._refuse()
+
+    def __iter__(self) -> Iterator[int]:
+        self._refuse()
+
+    def __len__(self) -> int:
+        self._refuse()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return f"StateElsewhere(rank={self.rank}, saving={list(self.saving)})"
+
+
+def saving_ranks(saving: bool, *, group: ProcessGroup, device: torch.device) -> list[int]:
+    """The group ranks whose ``saving`` is true (every rank's flag); collective."""
+    flag = torch.tensor([int(bool(saving))], dtype=torch.int32, device=device)
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, flag, group=group)
+    return [r for r, f in enumerate(flags) if int(f.item())]
+
+
+class StateDictMethods:
+    """The state-dict methods of ZeroRedundancyOptimizer (mixed into it; see its docstring)."""
+
+    _consolidated: dict[int, dict[str, Any]] | None
+    _pristine: bool
+    _saving_on: list[int] | None
+    _cache: dict[str, Any]
+    _optim_constructor: type[torch.optim.Optimizer]
+    _optim_defaults: dict[str, Any]
+    _default_device: torch.device
+    optim: Any
+    rank: int
+    world_size: int
+    process_group: Any
+    param_groups: list[dict[str, Any]]
+
+    wait_params: Callable[[], None]
+    _sync_param_groups: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None]
+
+    @property
+    def _flat(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        raise NotImplementedError
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
+
+        See [Note: consolidation without pickled tensors]. Afterwards :meth:`state_dict` works on
+        rank ``to`` (and raises on the others).
+        """
+        agreed(
+            f"{API}.consolidate_state_dict",
+            lambda: _checked_rank(to, self.world_size),
+            self.process_group,
+            lambda: self._default_device,
+        )
+        self.wait_params()
+        self._saving_on = None
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        with on_device(self._default_device):
+            if self._flat:
+                state = self.optim.consolidate(self._param_to_index, to=to)
+            else:
+                states = local_states(self.optim, self._param_to_index.__getitem__)
+                device = comm_device(self.process_group, self._default_device)
+                state = consolidate_greedy(states, to=to, group=self.process_group, device=device)
+        self._consolidated = state
+
+    def consolidate_for_saving(self, saving: bool) -> None:
+        """Gathers the whole state on every rank that passes ``saving=True``; must be called on
+        every rank of the group, before a framework saves from some of them.
+
+        Afterwards :meth:`state_dict` on a saving rank is the global state; on the others it is
+        the param groups and a placeholder "state" that raises when used (frameworks that save
+        from one rank call ``state_dict()`` on every rank and drop the others' result). See
+        [Note: state dicts without consolidation]. Costs one :meth:`consolidate_state_dict` per
+        saving rank (none when no rank saves).
+        """
+        device = comm_device(self.process_group, self._default_device)
+        with on_device(self._default_device):
+            targets = saving_ranks(saving, group=self.process_group, device=device)
+        mine = None
+        for to in targets:
+            self.consolidate_state_dict(to=to)
+            mine = self._consolidated if to == self.rank else mine
+        self._consolidated = mine
+        self._saving_on = None if saving else targets
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global state in torch.optim's format, as of the last :meth:`consolidate_state_dict`
+        (the param groups as they are now). Where nothing needs gathering it answers on any rank
+        (see [Note: state dicts without consolidation]).
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank.
+        """
+        state: Any = self._consolidated
+        if state is not None:
+            state = dict(sorted(state.items()))
+        elif self._saving_on is not None:
+            state = StateElsewhere(self.rank, self._saving_on)
+        elif self._pristine and not self.optim.state and self._starts_stateless():
+            state = {}
+        else:
+            raise RuntimeError(
+                f"{API}.state_dict: expected the optimizer state consolidated on this rank, got "
+                f"none on rank {self.rank}; call consolidate_state_dict(to={self.rank}) on all "
+                "ranks first"
+            )
+        self.wait_params()
+        out = torch.optim.Optimizer.state_dict(self)  # type: ignore[arg-type]
+        out["state"] = state
+        return out
+
+    def _starts_stateless(self) -> bool:
+        """Whether the optimizer class makes no state at construction (probed on one tensor)."""
+        if "starts_stateless" not in self._cache:
+            probe = torch.zeros(2, 2, device=self._default_device, requires_grad=True)
+            try:
+                stateless = not self._optim_constructor([probe], **self._optim_defaults).state
+            except Exception:  # a class that wants more than a plain tensor: assume state
+                stateless = False
+            self._cache["starts_stateless"] = stateless
+        return bool(self._cache["starts_stateless"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
+        torch.optim one over the same parameters): each rank keeps what it owns.
+
+        Raises:
+            ValueError: the param groups do not have this optimizer's sizes.
+        """
+        entries = saved_entries(state_dict, self.param_groups)
+        self._pristine = self._pristine and not state_dict["state"]
+        self._saving_on = None
+        self._sync_param_groups(state_dict["param_groups"], self.param_groups)
+        if self._flat:
+            self.optim.load(entries)
+        else:
+            load_greedy(self.optim, state_dict["param_groups"], entries.get)
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+
+
+def _checked_rank(to: Any, world_size: int) -> tuple[None, Any]:
+    """consolidate_state_dict's local check, and what must agree: ``to``."""
+    check_rank("consolidate_state_dict", "to", to, world_size)
+    return None, to
