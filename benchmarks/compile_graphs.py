@@ -1,5 +1,5 @@
 """How many graphs ``torch.compile`` makes of a forward with the parameter gathers in flight
-(issue 24, item 2; see [Note: compiled forward] in shardopt.functional._hooks).
+(issue 24, item 2; see [Note: compiled forward] in shardopt.functional.engine._hooks).
 
 Each case trains the same model on W=2 gloo ranks (127.0.0.1, a port the system picks) with
 shardopt AdamW, stage 2, ``register_grad_hooks`` and ``register_param_hooks`` (as the demo wires

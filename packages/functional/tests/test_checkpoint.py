@@ -12,7 +12,7 @@ import torch
 
 from shardopt.core import adam, plan_partition, sgd
 from shardopt.functional import load_sharded_state_dict, shard, sharded_state_dict
-from shardopt.functional._dcp_pieces import LocalBoxes, boxes
+from shardopt.functional.checkpoint._dcp_pieces import LocalBoxes, boxes
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [

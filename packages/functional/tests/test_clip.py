@@ -9,7 +9,7 @@ import torch
 
 from shardopt.core import adam, plan_partition
 from shardopt.functional import shard
-from shardopt.functional._clip import clip_coefficient, local_sq_norm, scale_grads
+from shardopt.functional.engine._clip import clip_coefficient, local_sq_norm, scale_grads
 
 SHAPES = [(7, 5), (5,), (13,), (6, 6)]
 

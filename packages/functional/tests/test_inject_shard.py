@@ -24,7 +24,7 @@ from shardopt.functional import (
     sharded_state_dict,
     torch_hyperparams,
 )
-from shardopt.functional._update import _sliceable
+from shardopt.functional.engine._update import _sliceable
 
 from _functional_helpers import MIXED_SHAPES, rank_average, rel_error, seeded_params, sixty_fourths
 

@@ -8,7 +8,7 @@ import torch
 
 from shardopt.core import plan_partition
 from shardopt.functional import Algorithm
-from shardopt.functional._layout import build_layout, staging_numel
+from shardopt.functional.engine._layout import build_layout, staging_numel
 
 
 def mixed() -> list[torch.Tensor]:

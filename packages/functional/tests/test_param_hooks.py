@@ -35,7 +35,7 @@ from shardopt.functional import (
     torch_hyperparams,
     wait_params,
 )
-from shardopt.functional._compiled_wait import inlines_module_hooks
+from shardopt.functional.engine._compiled_wait import inlines_module_hooks
 from shardopt.testing import World
 
 from _functional_helpers import CountingBackend
@@ -69,7 +69,7 @@ def local_grads(params: list[torch.Tensor], step: int, rank: int) -> list[torch.
 def delay_gathers() -> list[int]:
     """Patches the engine's all_gather_bucket to gather only when waited on; returns a list
     that counts the gathers launched and not yet performed."""
-    import shardopt.functional._layout as layout_module
+    import shardopt.functional.engine._layout as layout_module
 
     real = layout_module.all_gather_bucket
     in_flight = [0]
@@ -352,7 +352,7 @@ def test_a_tied_out_of_order_compiled_forward_never_reads_a_stale_parameter(
     backend: Any = "aot_eager" if "aot_eager" in wait else CountingBackend()
     if wait == "graph break":
         traced: Any = mock.patch(
-            "shardopt.functional._compiled_wait.inlines_module_hooks", return_value=False
+            "shardopt.functional.engine._compiled_wait.inlines_module_hooks", return_value=False
         )
     else:
         traced = module_hooks_traced()

@@ -9,7 +9,7 @@ import torch
 
 from shardopt.core import adam, plan_partition, sgd
 from shardopt.functional import shard
-from shardopt.functional._validate import fingerprint
+from shardopt.functional.engine._validate import fingerprint
 
 SHAPES = [(4, 3), (5,), (2, 2)]
 

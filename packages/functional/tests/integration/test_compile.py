@@ -1,7 +1,7 @@
 """torch.compile of a tiny HF GPT-2 with both overlap hooks: a few graphs, not one per module.
 
 The forward right after a ``step`` runs with the parameter gathers in flight, so that is the
-forward counted (see [Note: compiled forward] in shardopt.functional._hooks). The dynamo
+forward counted (see [Note: compiled forward] in shardopt.functional.engine._hooks). The dynamo
 backend counts the graphs it is given and runs them as traced: no C++ compiler needed.
 """
 

@@ -105,7 +105,7 @@ def loss_of(net: torch.nn.Module, x: torch.Tensor, bf16: bool) -> torch.Tensor:
 
 # The runs a case compares: ours, and torch's DDP + AdamW. For gradient accumulation under
 # shard's hooks, also torch's DDP reducing every micro-step and summing the averages, as those
-# hooks do (see [Note: gradient accumulation] in shardopt/functional/_hooks.py).
+# hooks do (see [Note: gradient accumulation] in shardopt/functional/engine/_hooks.py).
 OURS, TORCH, TORCH_REDUCE_EACH = "ours", "torch", "torch_reduce_each"
 
 

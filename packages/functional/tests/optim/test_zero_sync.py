@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import plan_partition
-from shardopt.functional._layout import build_layout
-from shardopt.functional._param_sync import StagedSync
+from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._param_sync import StagedSync
 from shardopt.optim import ZeroRedundancyOptimizer
 from shardopt.testing import World
 

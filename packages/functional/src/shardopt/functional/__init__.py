@@ -1,22 +1,6 @@
 """shardopt.functional: stateless ZeRO-1 and ZeRO-2 sharded updates over torch.distributed."""
 
-from shardopt.functional._checkpoint import load_sharded_state_dict, sharded_state_dict
-from shardopt.functional._collectives import (
-    Algorithm,
-    Pending,
-    all_gather_bucket,
-    reduce_scatter_bucket,
-)
 from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_bytes
-from shardopt.functional._dcp import load_checkpoint, save_checkpoint
-from shardopt.functional._hooks import (
-    GradHooks,
-    ParamHooks,
-    register_grad_hooks,
-    register_param_hooks,
-    wait_params,
-)
-from shardopt.functional._layout import FlatLayout
 from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.functional._shard import (
     ShardedTransformation,
@@ -25,11 +9,27 @@ from shardopt.functional._shard import (
     shard,
 )
 from shardopt.functional._state import FieldKind, ShardedState, StateField, StepStats
-from shardopt.functional._torch_format import (
+from shardopt.functional.checkpoint._checkpoint import load_sharded_state_dict, sharded_state_dict
+from shardopt.functional.checkpoint._dcp import load_checkpoint, save_checkpoint
+from shardopt.functional.checkpoint._torch_format import (
     consolidate_state_dict,
     load_torch_state_dict,
     torch_hyperparams,
 )
+from shardopt.functional.engine._collectives import (
+    Algorithm,
+    Pending,
+    all_gather_bucket,
+    reduce_scatter_bucket,
+)
+from shardopt.functional.engine._hooks import (
+    GradHooks,
+    ParamHooks,
+    register_grad_hooks,
+    register_param_hooks,
+    wait_params,
+)
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "Algorithm",

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from shardopt.core import Plan
-from shardopt.functional._collectives import Algorithm, bucket_calls
-from shardopt.functional._layout import staging_numel
+from shardopt.functional.engine._collectives import Algorithm, bucket_calls
+from shardopt.functional.engine._layout import staging_numel
 
 __all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
 

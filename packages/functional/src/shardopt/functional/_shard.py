@@ -12,16 +12,22 @@ import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
 from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves
-from shardopt.functional._clip import (
+from shardopt.functional._state import (
+    ShardedState,
+    StepStats,
+    flatten_state,
+    probe_fields,
+)
+from shardopt.functional.engine._clip import (
     Health,
     clip_coefficient,
     global_health,
     scale_grads,
 )
-from shardopt.functional._collectives import Algorithm, ProcessGroup
-from shardopt.functional._hooks import GradReducer
-from shardopt.functional._layout import FlatLayout, build_layout
-from shardopt.functional._mesh import (
+from shardopt.functional.engine._collectives import Algorithm, ProcessGroup
+from shardopt.functional.engine._hooks import GradReducer
+from shardopt.functional.engine._layout import FlatLayout, build_layout
+from shardopt.functional.engine._mesh import (
     MeshGroups,
     global_places,
     is_split,
@@ -29,14 +35,8 @@ from shardopt.functional._mesh import (
     mesh_groups,
     tensor_parallel,
 )
-from shardopt.functional._state import (
-    ShardedState,
-    StepStats,
-    flatten_state,
-    probe_fields,
-)
-from shardopt.functional._update import cut_for_whole, shaped, update_and_sync
-from shardopt.functional._validate import (
+from shardopt.functional.engine._update import cut_for_whole, shaped, update_and_sync
+from shardopt.functional.engine._validate import (
     agree_across_ranks,
     check_grads,
     check_params,

@@ -10,7 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core import InjectHyperparamsState, Transformation
-from shardopt.functional._layout import FlatLayout
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "FieldKind",

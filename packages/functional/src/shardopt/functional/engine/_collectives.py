@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Bucket
-from shardopt.functional._rooted import ProcessGroup, broadcast_from, reduce_to
+from shardopt.functional.engine._rooted import ProcessGroup, broadcast_from, reduce_to
 
 __all__ = [
     "Algorithm",

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from shardopt.core import Piece
-from shardopt.functional._mesh import GlobalPlace
+from shardopt.functional.engine._mesh import GlobalPlace
 
 __all__ = ["Box", "LocalBoxes", "boxes", "piece_tensor"]
 

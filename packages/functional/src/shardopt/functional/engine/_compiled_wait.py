@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shardopt.core.blocks import local_tensor
-from shardopt.functional._layout import FlatLayout
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = ["compiled_wait", "hook_ancestors", "inlines_module_hooks"]
 
@@ -31,7 +31,7 @@ _IDS = itertools.count()
 def _registry() -> tuple[weakref.WeakValueDictionary[int, FlatLayout], itertools.count[int]]:
     """The process's layouts by id, whichever copy of this file asks (doctest collection imports
     it a second time, under another name): the op and the hooks must share them."""
-    from shardopt.functional import _compiled_wait
+    from shardopt.functional.engine import _compiled_wait
 
     return _compiled_wait._LAYOUTS, _compiled_wait._IDS
 

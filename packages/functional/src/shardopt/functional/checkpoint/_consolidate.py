@@ -9,10 +9,15 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Piece, Plan
-from shardopt.functional._checkpoint_keys import FieldKeys, has_state, piece_slots, piece_value
-from shardopt.functional._collectives import ProcessGroup, comm_device
-from shardopt.functional._rooted import gather_to
 from shardopt.functional._state import FieldKind, ShardedState
+from shardopt.functional.checkpoint._checkpoint_keys import (
+    FieldKeys,
+    has_state,
+    piece_slots,
+    piece_value,
+)
+from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._rooted import gather_to
 
 __all__ = [
     "empty_entries",

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardopt.core.blocks import PyTree, local_tensor, tree_leaves
-from shardopt.functional._clip import TensorParallel
-from shardopt.functional._collectives import ProcessGroup
-from shardopt.functional._layout import FlatLayout
+from shardopt.functional.engine._clip import TensorParallel
+from shardopt.functional.engine._collectives import ProcessGroup
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "HYBRID_DIMS",

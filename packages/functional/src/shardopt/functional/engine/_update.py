@@ -10,8 +10,8 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import InjectHyperparamsState, Plan, Transformation, update_flat_
 from shardopt.core.blocks import needs_whole_tensors, update_whole_, whole_tensor_mask
-from shardopt.functional._layout import BucketKey, FlatLayout
 from shardopt.functional._state import slice_state
+from shardopt.functional.engine._layout import BucketKey, FlatLayout
 
 __all__ = ["cut_for_whole", "shaped", "update_and_sync"]
 

@@ -9,9 +9,14 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan
-from shardopt.functional._checkpoint_keys import FieldKeys, field_keys, piece_slots, piece_value
-from shardopt.functional._collectives import ProcessGroup, comm_device
-from shardopt.functional._consolidate import (
+from shardopt.functional._state import FieldKind, ShardedState
+from shardopt.functional.checkpoint._checkpoint_keys import (
+    FieldKeys,
+    field_keys,
+    piece_slots,
+    piece_value,
+)
+from shardopt.functional.checkpoint._consolidate import (
     empty_entries,
     gather_elementwise,
     gather_scalars,
@@ -19,8 +24,8 @@ from shardopt.functional._consolidate import (
     merge_codes,
     shaped_dtypes,
 )
-from shardopt.functional._state import FieldKind, ShardedState
-from shardopt.functional._validate import agree_across_ranks, describe, fingerprint
+from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
 

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardopt.core import Plan
-from shardopt.functional._checkpoint_keys import (
+from shardopt.functional._state import FieldKind, ShardedState
+from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
     field_keys,
     has_state,
@@ -26,19 +27,18 @@ from shardopt.functional._checkpoint_keys import (
     piece_value,
     sanitised_key,
 )
-from shardopt.functional._collectives import ProcessGroup, comm_device
-from shardopt.functional._dcp_pieces import piece_tensor
-from shardopt.functional._hyperparams import (
+from shardopt.functional.checkpoint._dcp_pieces import piece_tensor
+from shardopt.functional.checkpoint._hyperparams import (
     checked_hyperparams,
     hyperparam_placeholders,
     saved_hyperparams,
     write_hyperparams,
 )
-from shardopt.functional._mesh import GlobalPlace, mesh_groups
-from shardopt.functional._rooted import broadcast_from
-from shardopt.functional._state import FieldKind, ShardedState
-from shardopt.functional._torch_format import Hyperparams, param_group_dicts, param_keys
-from shardopt.functional._validate import agree_across_ranks, fingerprint
+from shardopt.functional.checkpoint._torch_format import Hyperparams, param_group_dicts, param_keys
+from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._mesh import GlobalPlace, mesh_groups
+from shardopt.functional.engine._rooted import broadcast_from
+from shardopt.functional.engine._validate import agree_across_ranks, fingerprint
 
 __all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from shardopt.core.blocks import local_tensor
-from shardopt.functional._compiled_wait import compiled_wait, hook_ancestors
-from shardopt.functional._layout import FlatLayout
+from shardopt.functional.engine._compiled_wait import compiled_wait, hook_ancestors
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "GradHooks",

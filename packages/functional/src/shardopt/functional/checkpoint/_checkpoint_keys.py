@@ -12,7 +12,6 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import Transformation
 from shardopt.core.blocks import TORCH_COMPAT
-from shardopt.functional._layout import FlatLayout
 from shardopt.functional._state import (
     FieldKind,
     ShardedState,
@@ -21,6 +20,7 @@ from shardopt.functional._state import (
     piece_slots,
     without_hyperparams,
 )
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "STATE_KEYS",
@@ -229,7 +229,7 @@ def piece_value(
     Example:
         >>> import torch
         >>> from shardopt.core import plan_partition
-        >>> from shardopt.functional._layout import build_layout
+        >>> from shardopt.functional.engine._layout import build_layout
         >>> params = [torch.ones(3), torch.ones(2)]
         >>> layout = build_layout(plan_partition(params, 1, align=1), params, 0)
         >>> mu = StateField("[0].mu", FieldKind.ELEMENTWISE, (torch.arange(5.0),))

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from shardopt.functional._collectives import ProcessGroup, all_reduce_sum, comm_device
+from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_sum, comm_device
 
 __all__ = [
     "Health",

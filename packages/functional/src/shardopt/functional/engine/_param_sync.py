@@ -10,14 +10,14 @@ import torch.distributed as dist
 
 from shardopt.core import Bucket, Plan
 from shardopt.core.blocks import local_tensor
-from shardopt.functional._collectives import (
+from shardopt.functional.engine._collectives import (
     Algorithm,
     Pending,
     PendingQueue,
     ProcessGroup,
     all_gather_bucket,
 )
-from shardopt.functional._rooted import broadcast_from
+from shardopt.functional.engine._rooted import broadcast_from
 
 __all__ = ["StagedSync", "broadcast_tensors"]
 

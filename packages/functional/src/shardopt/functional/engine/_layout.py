@@ -10,7 +10,7 @@ import torch
 
 from shardopt.core import Bucket, Plan
 from shardopt.core.blocks import local_tensor
-from shardopt.functional._collectives import (
+from shardopt.functional.engine._collectives import (
     Algorithm,
     Pending,
     PendingQueue,

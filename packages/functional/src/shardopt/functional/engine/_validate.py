@@ -11,7 +11,7 @@ import torch
 
 from shardopt.core import Plan
 from shardopt.core.blocks import needs_whole_tensors
-from shardopt.functional._collectives import ProcessGroup, all_gather_rows, comm_device
+from shardopt.functional.engine._collectives import ProcessGroup, all_gather_rows, comm_device
 
 __all__ = [
     "agree_across_ranks",

@@ -1,0 +1,127 @@
+"""The engine: buffers, buckets, collectives and hooks; public for code that builds sharded
+optimizers on it.
+
+``shardopt.functional`` exports what a training loop calls (``shard``, the hooks, checkpoints);
+this package exports what an optimizer built on the engine needs besides (``shardopt.optim``'s
+ZeroRedundancyOptimizer and model averagers use nothing else): the layout and its parameter
+syncs, the groups of a device mesh ([Note: hybrid sharding]), the cross-rank agreement
+([Note: cross-rank validation]), the torch names and per-piece views of a sharded state
+(``shaped``: in their tensors' shapes where the plan owns them whole), and the local-SGD
+schedule and averaging helpers.
+
+[Note: engine glossary]
+The index spaces, each named once (the plan's arithmetic is shardopt.core's ``Plan``):
+
+- tensor ``t``: a parameter, by its position in the plan (``plan.tensors[t]``, the order of the
+  ``params`` given to ``init``).
+- group ``g``: the tensors of one dtype and device, in plan order; one flat buffer each.
+- bucket ``b`` of group ``g`` (a ``BucketKey`` ``(g, b)``): a run of whole, adjacent tensors of
+  the group, cut into one shard per rank (bucket-major); the unit of every collective.
+- offset: where tensor ``t`` starts in its group's buffer, in elements (``plan.locate(t)``).
+- shard: rank ``r``'s contiguous slice of one bucket; a rank's compact shard of a group is its
+  shards of the group's buckets end to end (``shard_numels[r]`` elements).
+- piece ``k``: the part of one tensor inside this rank's shards (``layout.pieces[k]``: its
+  tensor, group, ``start:stop`` within the tensor and ``offset`` within the compact shard); the
+  update and the optimizer state are per piece.
+
+The buffers, all owned by the layout (``FlatLayout``, [Note: engine] in _layout.py):
+
+- parameter buffer: one per group, every rank's full copy; the parameters are views of it
+  ([Note: flat storage]). Parameter syncs all-gather a bucket's region of it in place.
+- gradient shards: one compact shard per group, where reductions land (stage 2 keeps nothing
+  else of the gradients).
+- staging: two buffers per group of the largest bucket's size, used in turn to pack a bucket's
+  gradients for its reduce-scatter ([Note: gradient staging]); the staged parameter sync of
+  parameters outside the buffers uses its own two ([Note: staged parameter sync]).
+- optimizer state and master weights: compact shards, per piece, held by the sharded state.
+
+The folders: ``engine/`` holds what moves and updates memory (layout, collectives, hooks, the
+update pipeline, the cross-rank checks); ``checkpoint/`` holds the formats (sharded state
+dicts, torch.optim's consolidated form, torch.distributed.checkpoint); ``shard``, the state
+and the cost model sit at the top.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._mesh import MeshGroups, mesh_groups
+from shardopt.functional.engine._param_sync import StagedSync, broadcast_tensors
+from shardopt.functional.engine._rooted import (
+    broadcast_from,
+    gather_object_to,
+    gather_to,
+    irecv_from,
+    isend_to,
+    reduce_to,
+)
+from shardopt.functional.engine._update import shaped
+from shardopt.functional.engine._validate import agree_across_ranks, describe, fingerprint
+
+if TYPE_CHECKING:
+    from shardopt.functional._local_sgd import (
+        average_flat,
+        check_averageable,
+        check_schedule,
+        in_group,
+        resolve_group,
+    )
+    from shardopt.functional._state import init_values, piece_slots, probe_fields
+    from shardopt.functional.checkpoint._checkpoint_keys import field_keys, has_state, piece_value
+
+# Names of this face that live outside the engine, in modules that import the engine: resolved
+# on first use, so importing any engine module never imports them back (PEP 562).
+_ELSEWHERE = {
+    "field_keys": "shardopt.functional.checkpoint._checkpoint_keys",
+    "has_state": "shardopt.functional.checkpoint._checkpoint_keys",
+    "piece_value": "shardopt.functional.checkpoint._checkpoint_keys",
+    "average_flat": "shardopt.functional._local_sgd",
+    "check_averageable": "shardopt.functional._local_sgd",
+    "check_schedule": "shardopt.functional._local_sgd",
+    "in_group": "shardopt.functional._local_sgd",
+    "resolve_group": "shardopt.functional._local_sgd",
+    "init_values": "shardopt.functional._state",
+    "piece_slots": "shardopt.functional._state",
+    "probe_fields": "shardopt.functional._state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ELSEWHERE:
+        value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "reduce_to",
+    "isend_to",
+    "irecv_from",
+    "gather_to",
+    "gather_object_to",
+    "broadcast_from",
+    "MeshGroups",
+    "ProcessGroup",
+    "StagedSync",
+    "agree_across_ranks",
+    "average_flat",
+    "broadcast_tensors",
+    "build_layout",
+    "check_averageable",
+    "check_schedule",
+    "comm_device",
+    "describe",
+    "field_keys",
+    "fingerprint",
+    "has_state",
+    "in_group",
+    "init_values",
+    "mesh_groups",
+    "piece_slots",
+    "piece_value",
+    "probe_fields",
+    "resolve_group",
+    "shaped",
+]
