@@ -12,10 +12,9 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import Transformation, apply_updates
 from shardopt.core.blocks import PyTree, tree_leaves, tree_map, tree_structure
+from shardopt.functional.engine._rooted import ProcessGroup
 
 __all__ = ["average_params", "averaging_due", "local_sgd_step"]
-
-ProcessGroup = Any  # torch.distributed.ProcessGroup (absent from builds without distributed)
 
 # [Note: local SGD schedule]
 # Post-local SGD (Lin et al., 2018) runs the local optimizer at every step and, once

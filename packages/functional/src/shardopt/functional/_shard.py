@@ -211,8 +211,8 @@ def shard(
     def init(params: PyTree) -> ShardedState:
         split = [is_split(p) for p in tree_leaves(params)]
         state = _init(tx, plan, opts, groups, local_tensors(params), split)
-        state.layout.tensor_parallel = tensor_parallel(tree_leaves(params), state.layout)
-        state.layout.global_places = global_places(tree_leaves(params))
+        leaves = tree_leaves(params)
+        state.layout.set_places(tensor_parallel(leaves, state.layout), global_places(leaves))
         return state
 
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:

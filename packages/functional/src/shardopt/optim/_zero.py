@@ -17,6 +17,7 @@ from shardopt.optim._zero_engine import EngineSync, reseat
 from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
 from shardopt.optim._zero_join import ZeroJoinHook
 from shardopt.optim._zero_params import (
+    API,
     agreed,
     check_grads,
     check_options,
@@ -37,8 +38,6 @@ from shardopt.optim._zero_transport import on_device
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-API = "ZeroRedundancyOptimizer"
 
 
 class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Optimizer, Joinable):

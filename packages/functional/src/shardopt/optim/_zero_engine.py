@@ -10,10 +10,10 @@ import torch
 from shardopt.core import Plan
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
 from shardopt.functional.engine import StagedSync, broadcast_tensors, build_layout
+from shardopt.optim._zero_params import API
 
 __all__ = ["EngineSync", "reseat"]
 
-API = "ZeroRedundancyOptimizer"
 
 # [Note: greedy parameter sync]
 # The greedy partition runs on shardopt.functional's engine ([Note: engine] there): its plan's

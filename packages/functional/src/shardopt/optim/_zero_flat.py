@@ -29,10 +29,10 @@ from shardopt.optim._zero_flat_state import (
     load_flat,
     piece_entries,
 )
+from shardopt.optim._zero_params import API
 
 __all__ = ["FlatShardOptimizer", "torch_defaults"]
 
-API = "ZeroRedundancyOptimizer"
 
 Factory = Callable[..., Transformation]
 

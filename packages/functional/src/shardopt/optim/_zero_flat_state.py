@@ -15,11 +15,11 @@ from shardopt.functional.engine import (
     piece_slots,
     piece_value,
 )
+from shardopt.optim._zero_params import API
 from shardopt.optim._zero_transport import to_cpu
 
 __all__ = ["consolidate_flat", "load_flat", "piece_entries"]
 
-API = "ZeroRedundancyOptimizer"
 
 # [Note: flat state in torch's form]
 # The torch names of the core states, consolidation by gathers and loading are

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from shardopt.core import Plan, plan_partition
+from shardopt.optim._zero_params import API
 
 __all__ = [
     "PartitionViews",
@@ -20,7 +21,6 @@ __all__ = [
     "step_only",
 ]
 
-API = "ZeroRedundancyOptimizer"
 
 # [Note: the greedy partition]
 # ``plan_partition(param groups, W, strategy="greedy")`` is torch's assignment exactly (see

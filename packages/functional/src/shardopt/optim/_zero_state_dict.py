@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.functional.engine import ProcessGroup, comm_device, irecv_from, isend_to
-from shardopt.optim._zero_params import agreed, check_rank
+from shardopt.optim._zero_params import API, agreed, check_rank
 from shardopt.optim._zero_transport import (
     gather_objects,
     on_device,
@@ -29,7 +29,6 @@ __all__ = [
     "saving_ranks",
 ]
 
-API = "ZeroRedundancyOptimizer"
 
 # [Note: state dicts without consolidation]
 # torch's ZeroRedundancyOptimizer answers ``state_dict()`` only on the rank it last consolidated

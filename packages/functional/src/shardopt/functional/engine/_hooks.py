@@ -296,7 +296,7 @@ class ParamHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._layout.deferred -= 1
+        self._layout.defer_param_syncs(False)
 
 
 def _layout_of(api: str, state: Any) -> FlatLayout:
@@ -357,7 +357,7 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
             f"{type(module).__name__} holding none"
         )
     handles += hook_ancestors(module, hooked)  # torch 2.4: see [Note: compiled forward]
-    layout.deferred += 1
+    layout.defer_param_syncs(True)
     return ParamHooks(layout, handles)
 
 

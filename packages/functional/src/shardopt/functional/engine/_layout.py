@@ -105,8 +105,8 @@ class FlatLayout:
         self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
         self.group, self.algorithm = group, Algorithm(algorithm)
         self.replicate = replicate  # the other replicas' group ([Note: hybrid sharding])
-        self.tensor_parallel: Any = None  # set by shard: see [Note: tensor-parallel norms]
-        self.global_places: Any = None  # set by shard: see [Note: tensor-parallel checkpoints]
+        self._tensor_parallel: Any = None  # see [Note: tensor-parallel norms]
+        self._global_places: Any = None  # see [Note: tensor-parallel checkpoints]
         self.reduce_dtype = reduce_dtype
         self.pieces = plan.pieces(rank)
         self._map_buckets()
@@ -119,7 +119,33 @@ class FlatLayout:
         # The buckets keys[:synced] have no parameter sync in flight (the sync frontier).
         self.synced = len(self.keys)
         self._param_views: list[torch.Tensor] | None = None
-        self.deferred = 0  # registered param hooks: step leaves its gathers in flight
+        self._deferring = 0  # registered param hooks: step leaves its gathers in flight
+
+    def set_places(self, tensor_parallel: Any, global_places: Any) -> None:
+        """Where the tensors lie beyond this group (``shard``'s init sets them once): their
+        tensor-parallel split and their places in the global tensors."""
+        self._tensor_parallel, self._global_places = tensor_parallel, global_places
+
+    @property
+    def tensor_parallel(self) -> Any:
+        """The tensor-parallel split of the tensors, or None (see [Note: tensor-parallel norms])."""
+        return self._tensor_parallel
+
+    @property
+    def global_places(self) -> Any:
+        """Each tensor's place in its global tensor, or None (see [Note: tensor-parallel
+        checkpoints])."""
+        return self._global_places
+
+    def defer_param_syncs(self, defer: bool) -> None:
+        """Counts the registered param hooks up (``defer``) or down: while any is registered,
+        ``step`` leaves its gathers in flight ([Note: deferred parameter sync])."""
+        self._deferring += 1 if defer else -1
+
+    @property
+    def deferred(self) -> bool:
+        """Whether ``step`` leaves its parameter gathers in flight (param hooks registered)."""
+        return self._deferring > 0
 
     def _map_buckets(self) -> None:
         """The per-bucket tables every collective and update reads (derived from the plan)."""
