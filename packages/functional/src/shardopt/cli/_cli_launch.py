@@ -43,9 +43,10 @@ __all__ = [
 # others print nothing; a test harness would hold the output back until the world ends). With no
 # restarts, the agent stops every rank when it sees one exit with an error, and reports that one
 # (only: its exit code). A rank that fails writes a report (its traceback and the machine's
-# monotonic clock, shared by its processes) while the world is still up; ``launch`` raises the
-# earliest report. Its peers soon fail too (their collectives lose a peer), so a rank that reported
-# waits a moment before it exits: a rank that dies without a word (a signal, ``os._exit``) exits at
+# monotonic clock, shared by its processes) while the world is still up, whether it failed in
+# ``fn`` or around it (joining the group, the last barrier); ``launch`` raises the earliest
+# report. Its peers soon fail too (their collectives lose a peer), so a rank that reported waits
+# a moment before it exits: a rank that dies without a word (a signal, ``os._exit``) exits at
 # once, the agent sees it first, and it is raised as the root cause. The agent has no deadline, so
 # each rank keeps its own: at ``timeout`` after the launch it exits with code ``_TIMED_OUT``, which
 # the agent reports like any failure and ``launch`` raises as a TimeoutError. A rank whose ``fn``
@@ -174,7 +175,8 @@ def _rank_main(
         result = run_under_torchrun(then_wait, env, backend, *args, timeout=timeout)
         watchdog[0].cancel()  # what is left is waiting for the agent to collect the result
         return result
-    except BaseException:  # reported already; see [Note: CLI worlds] for the wait
+    except BaseException:  # see [Note: CLI worlds] for the wait
+        _report(env.rank, first_only=True)  # a failure outside fn (joining, the last barrier)
         sys.stdout.flush()
         sys.stderr.flush()
         time.sleep(_REPORTED_EXIT_DELAY_S)
@@ -195,11 +197,20 @@ def _reported(fn: Callable[..., Any], rank: int, world_size: int, *args: Any) ->
     try:
         return fn(rank, world_size, *args)
     except BaseException:
-        report = {"rank": rank, "when": time.monotonic(), "traceback": traceback.format_exc()}
-        where = os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])  # this rank's log dir
-        with open(os.path.join(where, _REPORT), "w", encoding="utf-8") as file:
-            json.dump(report, file)
+        _report(rank)
         raise
+
+
+def _report(rank: int, *, first_only: bool = False) -> None:
+    """Writes the exception being handled to this rank's report (unless ``first_only`` and one
+    is there), stamped with the machine's monotonic clock."""
+    where = os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])  # this rank's log dir
+    path = os.path.join(where, _REPORT)
+    if first_only and os.path.exists(path):
+        return
+    report = {"rank": rank, "when": time.monotonic(), "traceback": traceback.format_exc()}
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(report, file)
 
 
 def launch(
