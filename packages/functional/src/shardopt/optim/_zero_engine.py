@@ -50,7 +50,7 @@ def reseat(layout: FlatLayout, params: Sequence[torch.Tensor]) -> None:
         buf, n = layout.buffers[g], p.numel()
         if type(p) not in (torch.Tensor, torch.nn.Parameter) or n == 0:
             continue  # a DTensor's local tensor cannot be rebound here
-        if p.data_ptr() == buf.data_ptr() + offset * buf.element_size():
+        if p.data_ptr() == layout.address_of(t):
             continue
         same_device = (p.device.type, p.device.index or 0) == (
             buf.device.type,

@@ -365,10 +365,9 @@ def _places(layout: FlatLayout) -> dict[int, tuple[int, int]]:
     """(plan tensor, index of its bucket in ``layout.keys``) by the address of its elements."""
     out = {}
     for t, spec in enumerate(layout.plan.tensors):
-        g, b, offset = layout.plan.locate(t)
-        buf = layout.buffers[g]
+        g, b, _ = layout.plan.locate(t)
         if spec.numel:
-            out[buf.data_ptr() + offset * buf.element_size()] = (t, layout.keys.index((g, b)))
+            out[layout.address_of(t)] = (t, layout.keys.index((g, b)))
     return out
 
 

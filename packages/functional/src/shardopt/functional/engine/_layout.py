@@ -245,14 +245,17 @@ class FlatLayout:
             out.append(None if g is None else g.view(-1)[p.start : p.stop])
         return out
 
+    def address_of(self, t: int) -> int:
+        """Where plan tensor ``t``'s elements start in its group's buffer (a memory address)."""
+        g, _, offset = self.plan.locate(t)
+        return self.buffers[g].data_ptr() + offset * self.buffers[g].element_size()
+
     def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
         """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
         if len(params) != len(self.plan.tensors):
             return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
         for t, p in enumerate(map(local_tensor, params)):
-            g, _, offset = self.plan.locate(t)
-            base, size = self.buffers[g].data_ptr(), self.buffers[g].element_size()
-            moved = p.numel() > 0 and p.data_ptr() != base + offset * size
+            moved = p.numel() > 0 and p.data_ptr() != self.address_of(t)
             if moved or tuple(p.shape) != self.plan.tensors[t].shape:
                 return (
                     f"the parameters given to init (views of the flat buffers), got params[{t}] "
