@@ -61,8 +61,8 @@ def forget(opt: Any) -> None:
     """Drops a previous consolidation, so that each one starts from nothing."""
     if hasattr(opt, "_all_state_dicts"):
         opt._all_state_dicts = []
-    if hasattr(opt, "_consolidated"):
-        opt._consolidated = None
+    if hasattr(opt, "_saved"):
+        opt._saved.consolidated = None
     gc.collect()
 
 

@@ -8,7 +8,8 @@ import torch
 
 from shardopt.core import plan_partition
 from shardopt.functional import Algorithm
-from shardopt.functional.engine._layout import build_layout, staging_numel
+from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._staging import staging_numel
 
 
 def mixed() -> list[torch.Tensor]:
@@ -139,3 +140,61 @@ def test_gradient_shards_are_compact_and_in_the_reduce_dtype():
     shards = layout.ensure_grad_shards()
     assert [s.dtype for s in shards] == [torch.float32, torch.float32]
     assert [s.numel() for s in shards] == [g.shard_numels[1] for g in plan.groups]
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_a_bucket_starts_its_gradient_sync_once_its_gradients_and_every_later_bucket_are_ready(
+    world,
+):
+    """Readiness is counted on the layout: buckets start in reverse order, each once all its
+    trainable tensors reported and every later bucket started; the shards get the average."""
+    params = [torch.zeros(4) for _ in range(6)]
+    plan = plan_partition(params, 2, strategy="flat", bucket_numel=8)
+    layout = build_layout(plan, params, world.rank)
+    keys = layout.keys
+    assert len(keys) == 3
+    grads = [torch.full((4,), float(t + world.rank)) for t in range(6)]
+    started: list = []
+
+    def ready(t):
+        layout.register_grad_ready(t, grads.__getitem__, accumulate=False, started=started.append)
+
+    first, middle, last = (layout.bucket_tensors[k] for k in keys)
+    layout.expect_grads([True] * 6)
+    for t in first:
+        ready(t)
+    assert started == []  # ready, but the later buckets are not
+    ready(last[0])
+    assert started == []
+    ready(last[1])
+    assert started == [keys[2]]
+    for t in middle:
+        ready(t)
+    assert started == [keys[2], keys[1], keys[0]]  # the first bucket follows at once
+    layout.finish_grad_sync()
+    expected = torch.cat([torch.full((4,), t + 0.5) for t in range(6)])
+    for p, shard in zip(layout.pieces, layout.piece_views(layout.grad_shards)):
+        start = p.tensor * 4 + p.start
+        assert torch.equal(shard, expected[start : start + p.numel])
+
+
+@pytest.mark.world(2, backend="gloo", timeout=120)
+def test_a_bucket_does_not_wait_for_a_frozen_tensor_and_the_rest_start_at_the_end(world):
+    params = [torch.zeros(4) for _ in range(6)]
+    plan = plan_partition(params, 2, strategy="flat", bucket_numel=8)
+    layout = build_layout(plan, params, world.rank)
+    keys = layout.keys
+    frozen = layout.bucket_tensors[keys[2]][0]
+    started: list = []
+    grads = [torch.ones(4) for _ in range(6)]
+    layout.expect_grads([t != frozen for t in range(6)])
+    layout.register_grad_ready(
+        layout.bucket_tensors[keys[2]][1],
+        grads.__getitem__,
+        accumulate=False,
+        started=started.append,
+    )
+    assert started == [keys[2]]  # its frozen tensor is not waited for
+    layout.start_remaining_grad_syncs(grads.__getitem__, accumulate=False, started=started.append)
+    assert started == [keys[2], keys[1], keys[0]]
+    layout.finish_grad_sync()

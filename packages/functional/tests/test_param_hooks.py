@@ -69,7 +69,7 @@ def local_grads(params: list[torch.Tensor], step: int, rank: int) -> list[torch.
 def delay_gathers() -> list[int]:
     """Patches the engine's all_gather_bucket to gather only when waited on; returns a list
     that counts the gathers launched and not yet performed."""
-    import shardopt.functional.engine._layout as layout_module
+    import shardopt.functional.engine._storage as layout_module
 
     real = layout_module.all_gather_bucket
     in_flight = [0]

@@ -146,8 +146,8 @@ def test_mixed_dtypes_train_like_torch_optim_with_one_flat_group_per_dtype(
             o.step()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)  # the same torch.optim.Adam, on each owner
-    assert ours._staged is not None
-    assert len(ours._staged.plan.groups) == 2  # float32 and float64: one flat group each
+    assert ours._backend.sync_layout is not None  # the staged storage: no bucket views
+    assert len(ours._backend.sync_layout.plan.groups) == 2  # float32 and float64: one each
 
 
 @pytest.mark.world(2, backend="gloo", timeout=120)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from shardopt.core import plan_partition
 from shardopt.functional.engine._layout import build_layout
-from shardopt.functional.engine._param_sync import StagedSync
 from shardopt.optim import ZeroRedundancyOptimizer
 from shardopt.testing import World
 
@@ -23,6 +22,7 @@ from _functional_helpers import GATHER
 
 RECORDED = ("all_gather_single", "all_gather_into_tensor", "broadcast", "gather", "gather_object")
 RECORDED += ("isend", "irecv", "send", "recv", "all_gather", "broadcast_object_list")
+RECORDED += ("all_reduce",)
 
 
 @contextlib.contextmanager
@@ -90,19 +90,15 @@ def sync_case(
     world = dist.get_world_size()
     plan = plan_partition(params, world, strategy="greedy", bucket_numel=bucket_numel)
     ptrs = [p.data_ptr() for p in params]
-    if view:
-        with torch.no_grad():  # the buffers are filled from the parameters as they are
-            layout = build_layout(plan, params, rank, algorithm=algorithm)
-        run: Any = layout.sync_params
-    else:
-        sync = StagedSync(plan, params, rank, algorithm=algorithm)
-        run = sync.sync
+    storage = "flat" if view else "staged"
+    with torch.no_grad():  # the buffers are filled from the parameters as they are
+        layout = build_layout(plan, params, rank, algorithm=algorithm, storage=storage)
     with recording() as calls:
-        run()
+        layout.sync_params()
     assert plan.owners is not None
     right = all(torch.all(p == plan.owners[t] + 1) for t, p in enumerate(params))
     kept = [p.data_ptr() for p in params] == ptrs
-    return right, kept, calls, None if view else sync
+    return right, kept, calls, None if view else layout._storage
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -120,8 +116,8 @@ def test_staged_and_view_syncs_deliver_every_owner_s_values(world: World, n: int
                 if view and bucket_numel is None:  # unequal shards: one broadcast per owner
                     assert [name for name, _ in calls] == ["broadcast"] * n
                 if sync is not None:
-                    for staging in sync._staging.values():
-                        assert staging[0].numel() <= sum(s.numel() for s in SHAPES_T)
+                    for slots in sync.slots.values():
+                        assert slots.rows[0].numel() <= sum(s.numel() for s in SHAPES_T)
 
 
 SHAPES_T = [torch.empty(s) for s in SHAPES]
@@ -151,7 +147,7 @@ def test_a_tensor_alone_in_its_bucket_is_broadcast_from_the_parameter_itself(
     assert right
     assert kept
     assert ("broadcast", 40 * 4) in calls
-    assert all(s.shape[-1] < 40 for s in sync._staging.values())
+    assert all(s.rows.shape[-1] < 40 for s in sync.slots.values())
 
 
 @pytest.mark.parametrize("view", [False, True], ids=["staged", "bucket_view"])
@@ -183,10 +179,11 @@ def test_sync_params_of_sends_only_the_given_parameters(world: World, view: bool
 def test_consolidation_gathers_tensors_without_pickling_them(
     world: World, n: int, partition: str
 ) -> None:
-    """After the agreement on ``to`` (one all-gather of 16 bytes per rank); greedy: one small
-    object gather (metadata), then one buffer per other rank, point to point to the target;
-    flat: tensor gathers only. Nothing is broadcast; the tensors moved add up to the other
-    ranks' state."""
+    """After the agreement on ``to`` (one all-gather of 16 bytes per rank), both partitions move
+    tensors by the windowed gathers of [Note: consolidation by gathers]; greedy adds one small
+    object gather (metadata, no tensor data) and one all-reduce of the largest packed size, and
+    its gathers carry, in at most 8 W windows, the largest other rank's packed state. Nothing is
+    broadcast or sent point to point."""
     model = mlp(64, 4)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, partition=partition)
     model(torch.randn(3, 64)).sum().backward()
@@ -199,17 +196,20 @@ def test_consolidation_gathers_tensors_without_pickling_them(
         assert calls.count((GATHER, 16 * n)) == 1
         calls.remove((GATHER, 16 * n))
     names = sorted({name for name, _ in calls})
-    state_bytes = 2 * sum(p.numel() * 4 for p in model.parameters())  # exp_avg, exp_avg_sq
     if partition == "greedy":
-        assert names == (
-            ["gather_object", "irecv"] if world.rank == 1 else ["gather_object", "isend"]
-        )
+        assert names == ["all_reduce", "gather", "gather_object"]
         meta = [size for name, size in calls if name == "gather_object"]
-        assert meta[0] < 4096  # names, shapes, offsets, steps: no tensor data
-        if world.rank == 1:
-            mine = sum(2 * p.numel() * 4 for p in model.parameters() if zero._param_to_rank[p] == 1)
-            moved = sum(size for name, size in calls if name == "irecv")
-            assert state_bytes - mine <= moved <= state_bytes - mine + 16 * 3 * 8
+        assert len(meta) == 1
+        assert meta[0] < 4096  # names, shapes, offsets: no tensor data
+        windows = [size for name, size in calls if name == "gather"]
+        assert len(windows) <= 8 * n
+        owned = [
+            sum(2 * p.numel() * 4 for p in model.parameters() if zero._param_to_rank[p] == r)
+            for r in range(n)
+            if r != 1
+        ]
+        padding = 16 * 3 * len(list(model.parameters()))  # each packed tensor 16-byte aligned
+        assert max(owned) <= sum(windows) <= max(owned) + padding
     else:
         assert names == ["gather"]
     assert not any(name.startswith("broadcast") for name, _ in calls)

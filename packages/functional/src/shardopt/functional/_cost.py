@@ -8,7 +8,7 @@ import torch
 
 from shardopt.core import Plan
 from shardopt.functional.engine._collectives import Algorithm, bucket_calls
-from shardopt.functional.engine._layout import staging_numel
+from shardopt.functional.engine._staging import staging_numel
 
 __all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
 

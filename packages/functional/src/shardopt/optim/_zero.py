@@ -11,36 +11,33 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from shardopt.core import Plan, Strategy
-from shardopt.functional.engine import describe, mesh_groups
-from shardopt.optim._zero_engine import EngineSync, reseat
-from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
+from shardopt.core import Strategy
+from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
+from shardopt.functional.engine import describe, mesh_groups, ranks_with
+from shardopt.optim._zero_backend import ZeroBackend
+from shardopt.optim._zero_flat_backend import FlatBackend
+from shardopt.optim._zero_greedy import GreedyBackend
 from shardopt.optim._zero_join import ZeroJoinHook
 from shardopt.optim._zero_params import (
     API,
     agreed,
-    check_grads,
     check_options,
     check_param_types,
+    check_rank,
     describe_group,
     group_params,
+    on_device,
     read_params,
 )
-from shardopt.optim._zero_partition import (
-    PartitionViews,
-    greedy_plan,
-    partition_parameters,
-    step_only,
-)
-from shardopt.optim._zero_state_dict import StateDictMethods
-from shardopt.optim._zero_transport import on_device
+from shardopt.optim._zero_partition import copy_hyperparameters
+from shardopt.optim._zero_state_dict import SavedState, saved_entries, starts_stateless
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 
-class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -66,9 +63,11 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Opti
       (Newton–Schulz flops for Muon). Parameters are always views of the flat buffers.
     - ``allow_mixed_dtypes=True``: parameters of several dtypes, one flat group per dtype.
 
-    ``consolidate_state_dict`` gathers flat tensors to one rank (see [Note: consolidation without
-    pickled tensors]); ``state_dict()`` there is the global state in torch.optim's format as it
-    was then (a copy), loadable by torch's ZeroRedundancyOptimizer and by plain torch.optim.
+    Both partitions are backends of this one class, chosen at construction ([Note: one
+    backend]). ``consolidate_state_dict`` gathers the state to one rank by the engine's
+    windowed gathers (see [Note: entries by gathers]); ``state_dict()`` there is the global
+    state in torch.optim's format as it was then (a copy), loadable by torch's
+    ZeroRedundancyOptimizer and by plain torch.optim.
 
     Args:
         params: tensors or param-group dicts, as for any torch optimizer.
@@ -126,40 +125,30 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Opti
         self._allow_mixed_dtypes = allow_mixed_dtypes
         self._optim_defaults = defaults
         self._optim_constructor = optimizer_class
-        self._consolidated: dict[int, dict[str, Any]] | None = None
-        self._pristine = True  # never stepped, nor loaded with state
-        self._saving_on: list[int] | None = None  # see consolidate_for_saving
+        self._saved = SavedState(self.rank)
         self._warned_overlap_step = False
         self._cache: dict[str, Any] = {}
-        self._layout = None  # greedy with bucket views: the engine (see EngineSync)
-        self._staged = None  # greedy without: the same buckets, staged
-        self.optim: Any
+        self._backend: ZeroBackend
         options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
 
-        def build() -> tuple[Plan | None, Any]:
-            plan, summary = self._build(params, options)
-            return plan, (summary, groups.description)
+        def build() -> tuple[None, Any]:
+            return None, (self._build(params, options), groups.description)
 
-        plan = agreed(
+        agreed(
             API,
             build,
             group if groups.agree is None else groups.agree,
             lambda: getattr(self, "_default_device", None),
         )
         with on_device(self._default_device):
-            if self._flat:
-                for param_group in self.param_groups:
-                    self.optim.add_param_group(param_group)
-            else:
-                assert plan is not None  # greedy: _build made one
-                self._set_plan(plan)
+            self._backend.start(self.param_groups)
         self.initialized = True
 
     # -- construction -------------------------------------------------------------------------
 
-    def _build(self, params: Any, options: tuple[Any, ...]) -> tuple[Plan | None, str]:
-        """Everything local of the constructor: checks, param groups, the local optimizer.
-        Returns the greedy plan (None for flat) and what must agree across ranks."""
+    def _build(self, params: Any, options: tuple[Any, ...]) -> str:
+        """Everything local of the constructor: checks, param groups, the backend (the one
+        choice of the partition: [Note: one backend]). Returns what must agree across ranks."""
         partition, bucket_view, overlap, mixed = options
         groups, all_params = read_params(params)
         check_param_types(all_params, allow_mixed_dtypes=mixed)
@@ -174,27 +163,28 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Opti
         Joinable.__init__(self)
         self._all_params: list[torch.Tensor] = list(all_params)
         self._default_device = self._all_params[0].device
-        plan = None
-        if self._flat:
-            self.optim = FlatShardOptimizer(
-                self._optim_constructor,
-                torch_defaults(self._optim_constructor, self._optim_defaults, all_params[0]),
-                self.process_group,
-                self.world_size,
+        where = {"group": self.process_group, "world_size": self.world_size}
+        if self._partition is Strategy.FLAT:
+            self._backend = FlatBackend(
+                self.param_groups, self._optim_constructor, self._optim_defaults, **where
             )
-            for param_group in self.param_groups:
-                self.optim.prepare(param_group)
         else:
-            plan = greedy_plan(self.param_groups, self.world_size)
-            local = partition_parameters(self.param_groups, plan)[self.rank]
-            self.optim = self._optim_constructor(local, **self._optim_defaults)
-            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+            self._backend = GreedyBackend(
+                self.param_groups,
+                self._optim_constructor,
+                self._optim_defaults,
+                rank=self.rank,
+                bucket_view=bucket_view,
+                **where,
+            )
         summary = (describe(self._optim_constructor), self._partition.value, *options[1:])
-        return plan, describe([summary, *map(describe_group, self.param_groups)])
+        return describe([summary, *map(describe_group, self.param_groups)])
 
     @property
-    def _flat(self) -> bool:
-        return self._partition is Strategy.FLAT
+    def optim(self) -> Any:
+        """The local optimizer: ``optimizer_class`` over this rank's share (greedy), or a
+        :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (flat)."""
+        return self._backend.optim
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -222,35 +212,20 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Opti
             self._step_and_sync(None, {})
 
     def _step_and_sync(self, closure: Callable[[], Any] | None, kwargs: dict[str, Any]) -> Any:
-        self._pristine, self._saving_on = False, None
-        self.wait_params()  # the update writes what the last gathers send
-        if self._layout is not None:
-            reseat(self._layout, self._index_to_param)  # see [Note: re-seated parameters]
-        if not self._flat and closure is None:  # (flat: shard's step checks every gradient)
-            check_grads(self._all_params, self._optim_constructor)
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        if self._flat:
-            loss = self.optim.step(closure, **kwargs)  # updates and syncs
-        elif closure is None:
-            loss = self.optim.step(**kwargs)
-        else:
-            loss = self.optim.step(closure=closure, **kwargs)
-        self._sync_param_groups(self.optim.param_groups, self.param_groups)
-        self._sync_params()
-        return loss
+        self._saved.changed()
+        return self._backend.step(self.param_groups, closure, kwargs)
 
     def _step_params(self, params: Sequence[torch.Tensor]) -> None:
         """Runs the local optimizer's update for those of ``params`` this rank owns, from their
-        ``.grad`` (no parameter sync). For the DDP communication hooks."""
-        if self._flat:
-            raise RuntimeError(f"{API}._step_params: expected partition='greedy', got 'flat'")
-        self._pristine, self._saving_on = False, None
-        to_rank = self._param_to_rank
-        mine = {id(p) for p in params if to_rank.get(p) == self.rank and p.grad is not None}
-        if mine:
-            self._sync_param_groups(self.param_groups, self.optim.param_groups)
-            step_only(self.optim, mine)
-            self._sync_param_groups(self.optim.param_groups, self.param_groups)
+        ``.grad`` (no parameter sync). For the DDP communication hooks (greedy only)."""
+        self._backend.step_params(self.param_groups, params)
+        self._saved.changed()
+
+    def _sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
+        """Starts the sync of just ``params`` from their owners; returns handles with ``wait()``
+        (waited for already unless ``async_op``). Every rank passes the same parameters in the
+        same order. For the DDP communication hooks (greedy only)."""
+        return self._backend.sync_params_of(params, async_op=async_op)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group and re-partitions; must be called on every rank.
@@ -281,27 +256,157 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Opti
         except BaseException:
             del self.param_groups[count:]  # every rank raises: none keeps the group
             raise
-        group = self.param_groups[-1]
-        self._all_params.extend(group["params"])
+        self._all_params.extend(self.param_groups[-1]["params"])
         self._cache.clear()
         with on_device(self._default_device):
-            if self._flat:
-                self.optim.add_param_group(group)
-                return
-            plan = greedy_plan(self.param_groups, self.world_size)
-            local = partition_parameters(self.param_groups, plan)[self.rank][-1]
-            self.optim.add_param_group(local)
-            self._sync_param_groups(self.optim.param_groups, self.param_groups)
-            self._set_plan(plan)
+            self._backend.add_group(self.param_groups)
 
     def _add_locally(self, param_group: dict[str, Any]) -> tuple[None, str]:
         """add_param_group's local part: checks, then torch's (which fills the defaults)."""
         new = group_params(param_group, len(self.param_groups))
         check_param_types(self._all_params + new, allow_mixed_dtypes=self._allow_mixed_dtypes)
         super().add_param_group(param_group)
-        if self._flat:
-            self.optim.prepare(self.param_groups[-1])
+        self._backend.prepare(self.param_groups[-1])
         return None, describe([len(self.param_groups), describe_group(self.param_groups[-1])])
+
+    # -- torch's partition attributes ----------------------------------------------------------
+
+    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def _partition_parameters(self) -> list[list[dict[str, Any]]]:
+        """Per rank, its param groups: each outer group with the parameters the rank updates
+        (flat partition: the parameters with elements on the rank)."""
+        return self._cached("partition", lambda: self._backend.partition(self.param_groups))
+
+    @property
+    def _param_to_rank(self) -> dict[torch.Tensor, int]:
+        """Parameter -> the rank that updates it (flat: the rank with its first element)."""
+        return self._cached("owners", lambda: self._backend.owners(self.param_groups))
+
+    @property
+    def _param_to_index(self) -> dict[torch.Tensor, int]:
+        """Parameter -> its index in the global state dict (param-group order)."""
+        return self._cached("index", lambda: {p: i for i, p in enumerate(self._index_to_param)})
+
+    @property
+    def _index_to_param(self) -> list[torch.Tensor]:
+        """The parameters in the global state dict's order."""
+        return self._cached("params", lambda: [p for g in self.param_groups for p in g["params"]])
+
+    # -- parameter syncs left in flight --------------------------------------------------------
+
+    def register_param_hooks(self, module: torch.nn.Module) -> list[ParamHooks]:
+        """Overlaps the parameter sync of :meth:`step` with the next forward of ``module``.
+
+        :meth:`step` then returns with each bucket's gather in flight, and the forward pre-hooks
+        of ``module``'s submodules wait for the buckets of their parameters
+        (see [Note: deferred parameter sync] in shardopt.functional). Read the parameters
+        outside a forward only after :meth:`wait_params`; :meth:`state_dict`,
+        :meth:`consolidate_state_dict` and the next :meth:`step` wait by themselves. Needs
+        ``parameters_as_bucket_view=True`` or ``partition="flat"`` (the parameters must live in
+        the flat buffers). Returns the handles (``remove()`` each to stop).
+
+        Raises:
+            ValueError: greedy partition without bucket views, or ``overlap_with_ddp=True``.
+        """
+        api = f"{API}.register_param_hooks"
+        if self._overlap_with_ddp:
+            raise ValueError(
+                f"{api}: expected parameters_as_bucket_view=True or partition='flat' (and "
+                "overlap_with_ddp=False), got overlap_with_ddp=True"
+            )
+        return [register_param_hooks(module, t) for t in self._backend.hook_targets(api)]
+
+    def wait_params(self) -> None:
+        """Waits until every parameter holds its value after the last :meth:`step`."""
+        self._backend.wait_params()
+
+    def _layouts(self) -> list[FlatLayout]:
+        return self._backend.layouts()
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        """The engine of the greedy partition with bucket views (None otherwise)."""
+        return self._backend.layout
+
+    # -- state dicts ---------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
+
+        See [Note: entries by gathers]. Afterwards :meth:`state_dict` works on rank ``to`` (and
+        raises on the others).
+        """
+        agreed(
+            f"{API}.consolidate_state_dict",
+            lambda: _checked_rank(to, self.world_size),
+            self.process_group,
+            lambda: self._default_device,
+        )
+        self.wait_params()
+        self._saved.saving_on = None
+        with on_device(self._default_device):
+            state = self._backend.consolidate(self.param_groups, self._param_to_index, to=to)
+        self._saved.consolidated = state
+
+    def consolidate_for_saving(self, saving: bool) -> None:
+        """Gathers the whole state on every rank that passes ``saving=True``; must be called on
+        every rank of the group, before a framework saves from some of them.
+
+        Afterwards :meth:`state_dict` on a saving rank is the global state; on the others it is
+        the param groups and a placeholder "state" that raises when used (frameworks that save
+        from one rank call ``state_dict()`` on every rank and drop the others' result). See
+        [Note: state dicts without consolidation]. Costs one :meth:`consolidate_state_dict` per
+        saving rank (none when no rank saves).
+        """
+        with on_device(self._default_device):
+            targets = ranks_with(saving, group=self.process_group)
+        mine = None
+        for to in targets:
+            self.consolidate_state_dict(to=to)
+            mine = self._saved.consolidated if to == self.rank else mine
+        self._saved.consolidated = mine
+        self._saved.saving_on = None if saving else targets
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global state in torch.optim's format, as of the last :meth:`consolidate_state_dict`
+        (the param groups as they are now). Where nothing needs gathering it answers on any rank
+        (see [Note: state dicts without consolidation]).
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank.
+        """
+        state = self._saved.state(not self.optim.state, self._starts_stateless)
+        self.wait_params()
+        out = Optimizer.state_dict(self)
+        out["state"] = state
+        return out
+
+    def _starts_stateless(self) -> bool:
+        return bool(
+            self._cached(
+                "starts_stateless",
+                lambda: starts_stateless(
+                    self._optim_constructor, self._optim_defaults, self._default_device
+                ),
+            )
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
+        torch.optim one over the same parameters): each rank keeps what it owns.
+
+        Raises:
+            ValueError: the param groups do not have this optimizer's sizes.
+        """
+        entries = saved_entries(state_dict, self.param_groups)
+        self._saved.changed(loaded_state=bool(state_dict["state"]))
+        copy_hyperparameters(state_dict["param_groups"], self.param_groups)
+        self._backend.load(state_dict["param_groups"], entries)
+        copy_hyperparameters(self.param_groups, self.optim.param_groups)
 
     # -- Joinable ------------------------------------------------------------------------------
 
@@ -318,3 +423,9 @@ class ZeroRedundancyOptimizer(PartitionViews, EngineSync, StateDictMethods, Opti
     def join_process_group(self) -> Any:
         """The process group of the join context."""
         return self.process_group
+
+
+def _checked_rank(to: Any, world_size: int) -> tuple[None, Any]:
+    """consolidate_state_dict's local check, and what must agree: ``to``."""
+    check_rank("consolidate_state_dict", "to", to, world_size)
+    return None, to

@@ -23,7 +23,7 @@ from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional import ShardedState, ShardedTransformation, shard
 from shardopt.functional.engine import ProcessGroup, init_values, probe_fields, shaped
 from shardopt.optim._core_mapping import plan_local_optimizer
-from shardopt.optim._zero_engine import reseat
+from shardopt.optim._zero_backend import reseat
 from shardopt.optim._zero_flat_state import (
     consolidate_flat,
     load_flat,

@@ -14,9 +14,9 @@ from shardopt.functional.engine import (
     has_state,
     piece_slots,
     piece_value,
+    to_cpu,
 )
 from shardopt.optim._zero_params import API
-from shardopt.optim._zero_transport import to_cpu
 
 __all__ = ["consolidate_flat", "load_flat", "piece_entries"]
 

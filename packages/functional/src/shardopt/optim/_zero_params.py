@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 import torch
@@ -11,7 +11,6 @@ import torch
 from shardopt.core import Strategy
 from shardopt.functional.engine import agree_across_ranks, describe, fingerprint
 from shardopt.optim._core_mapping import CORE_FACTORIES
-from shardopt.optim._zero_transport import on_device
 
 __all__ = [
     "agreed",
@@ -20,6 +19,7 @@ __all__ = [
     "check_param_types",
     "check_rank",
     "describe_group",
+    "on_device",
     "read_params",
 ]
 
@@ -41,6 +41,16 @@ T = TypeVar("T")
 # step() adds no collective: its gradient checks (``check_grads``) look at every parameter's
 # gradient, not only this rank's, so a defect that every rank has raises on every rank before
 # the parameter sync.
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Makes ``device`` the current CUDA device (torch's object collectives use that one)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
 
 
 def agreed(

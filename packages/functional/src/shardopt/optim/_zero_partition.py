@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
-from itertools import chain
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from shardopt.core import Plan, plan_partition
 from shardopt.optim._zero_params import API
 
 __all__ = [
-    "PartitionViews",
+    "copy_hyperparameters",
     "flat_partition",
     "greedy_plan",
     "owners",
@@ -124,67 +123,24 @@ def step_only(optim: torch.optim.Optimizer, keep: set[int]) -> None:
             group["params"] = params
 
 
-class PartitionViews:
-    """torch's partition attributes of ZeroRedundancyOptimizer (mixed into it), derived from its
-    plan (greedy) or flat units, cached until the param groups change."""
+def copy_hyperparameters(
+    src_param_groups: Sequence[dict[str, Any]], dst_param_groups: Sequence[dict[str, Any]]
+) -> None:
+    """Copies every key but ``"params"`` of each source group into its destination group (the
+    hyperparameters between ZeroRedundancyOptimizer's groups and its local optimizer's).
 
-    _cache: dict[str, Any]
-    optim: Any
-    param_groups: list[dict[str, Any]]
-    world_size: int
-
-    @property
-    def _flat(self) -> bool:
-        raise NotImplementedError
-
-    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
-
-    def _partition_parameters(self) -> list[list[dict[str, Any]]]:
-        """Per rank, its param groups: each outer group with the parameters the rank updates
-        (flat partition: the parameters with elements on the rank)."""
-        if self._flat:
-            units = self.optim.units()
-            return self._cached(
-                "partition", lambda: flat_partition(self.param_groups, units, self.world_size)
-            )
-        plan = self._cache["plan"]
-        return self._cached("partition", lambda: partition_parameters(self.param_groups, plan))
-
-    @property
-    def _param_to_rank(self) -> dict[torch.Tensor, int]:
-        """Parameter -> the rank that updates it (flat: the rank with its first element)."""
-        if self._flat:
-            plans = [None if u is None else u.plan for u in self.optim.units()]
-        else:
-            plans = [self._cache["plan"]]
-        return self._cached("owners", lambda: owners(self.param_groups, plans))
-
-    @property
-    def _param_to_index(self) -> dict[torch.Tensor, int]:
-        """Parameter -> its index in the global state dict (param-group order)."""
-        return self._cached("index", lambda: {p: i for i, p in enumerate(self._index_to_param)})
-
-    @property
-    def _index_to_param(self) -> list[torch.Tensor]:
-        """The parameters in the global state dict's order."""
-        return self._cached(
-            "params", lambda: list(chain.from_iterable(g["params"] for g in self.param_groups))
+    Example:
+        >>> dst = [{"params": [], "lr": 0.1}]
+        >>> copy_hyperparameters([{"params": [1], "lr": 0.5}], dst)
+        >>> dst
+        [{'params': [], 'lr': 0.5}]
+    """
+    if len(src_param_groups) != len(dst_param_groups):
+        raise ValueError(
+            f"{API}: expected as many source as destination param groups, got "
+            f"{len(src_param_groups)} and {len(dst_param_groups)}"
         )
-
-    @staticmethod
-    def _sync_param_groups(
-        src_param_groups: list[dict[str, Any]], dst_param_groups: list[dict[str, Any]]
-    ) -> None:
-        """Copies every key but ``"params"`` of each source group into its destination group."""
-        if len(src_param_groups) != len(dst_param_groups):
-            raise ValueError(
-                f"{API}: expected as many source as destination param groups, got "
-                f"{len(src_param_groups)} and {len(dst_param_groups)}"
-            )
-        for src, dst in zip(src_param_groups, dst_param_groups):
-            for key, value in src.items():
-                if key != "params":
-                    dst[key] = value
+    for src, dst in zip(src_param_groups, dst_param_groups):
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value

@@ -20,6 +20,8 @@ The index spaces, each named once (the plan's arithmetic is shardopt.core's ``Pl
 - offset: where tensor ``t`` starts in its group's buffer, in elements (``plan.locate(t)``).
 - shard: rank ``r``'s contiguous slice of one bucket; a rank's compact shard of a group is its
   shards of the group's buckets end to end (``shard_numels[r]`` elements).
+- pieces, ranks and buckets are mapped once per layout (``BucketMap`` in _buckets.py: each
+  bucket's tensors, pieces, packing and place in the compact shard).
 - piece ``k``: the part of one tensor inside this rank's shards (``layout.pieces[k]``: its
   tensor, group, ``start:stop`` within the tensor and ``offset`` within the compact shard); the
   update and the optimizer state are per piece.
@@ -27,11 +29,12 @@ The index spaces, each named once (the plan's arithmetic is shardopt.core's ``Pl
 The buffers, all owned by the layout (``FlatLayout``, [Note: engine] in _layout.py):
 
 - parameter buffer: one per group, every rank's full copy; the parameters are views of it
-  ([Note: flat storage]). Parameter syncs all-gather a bucket's region of it in place.
+  ([Note: flat storage]). Parameter syncs all-gather a bucket's region of it in place. A layout
+  with the staged storage has none: its parameters keep their own ([Note: parameter storage]).
 - gradient shards: one compact shard per group, where reductions land (stage 2 keeps nothing
   else of the gradients).
 - staging: two buffers per group of the largest bucket's size, used in turn to pack a bucket's
-  gradients for its reduce-scatter ([Note: gradient staging]); the staged parameter sync of
+  gradients for its reduce-scatter ([Note: gradient staging]); the staged parameter storage of
   parameters outside the buffers uses its own two ([Note: staged parameter sync]).
 - optimizer state and master weights: compact shards, per piece, held by the sharded state.
 
@@ -47,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._layout import build_layout
 from shardopt.functional.engine._mesh import MeshGroups, mesh_groups
-from shardopt.functional.engine._param_sync import StagedSync, broadcast_tensors
 from shardopt.functional.engine._rooted import (
     broadcast_from,
     gather_object_to,
@@ -57,7 +59,12 @@ from shardopt.functional.engine._rooted import (
     reduce_to,
 )
 from shardopt.functional.engine._update import shaped
-from shardopt.functional.engine._validate import agree_across_ranks, describe, fingerprint
+from shardopt.functional.engine._validate import (
+    agree_across_ranks,
+    describe,
+    fingerprint,
+    ranks_with,
+)
 
 if TYPE_CHECKING:
     from shardopt.functional._local_sgd import (
@@ -69,12 +76,15 @@ if TYPE_CHECKING:
     )
     from shardopt.functional._state import init_values, piece_slots, probe_fields
     from shardopt.functional.checkpoint._checkpoint_keys import field_keys, has_state, piece_value
+    from shardopt.functional.checkpoint._entries import gather_entries, to_cpu
 
 # Names of this face that live outside the engine, in modules that import the engine: resolved
 # on first use, so importing any engine module never imports them back (PEP 562).
 _ELSEWHERE = {
     "field_keys": "shardopt.functional.checkpoint._checkpoint_keys",
     "has_state": "shardopt.functional.checkpoint._checkpoint_keys",
+    "gather_entries": "shardopt.functional.checkpoint._entries",
+    "to_cpu": "shardopt.functional.checkpoint._entries",
     "piece_value": "shardopt.functional.checkpoint._checkpoint_keys",
     "average_flat": "shardopt.functional._local_sgd",
     "check_averageable": "shardopt.functional._local_sgd",
@@ -104,10 +114,8 @@ __all__ = [
     "broadcast_from",
     "MeshGroups",
     "ProcessGroup",
-    "StagedSync",
     "agree_across_ranks",
     "average_flat",
-    "broadcast_tensors",
     "build_layout",
     "check_averageable",
     "check_schedule",
@@ -115,6 +123,7 @@ __all__ = [
     "describe",
     "field_keys",
     "fingerprint",
+    "gather_entries",
     "has_state",
     "in_group",
     "init_values",
@@ -122,6 +131,8 @@ __all__ = [
     "piece_slots",
     "piece_value",
     "probe_fields",
+    "ranks_with",
     "resolve_group",
     "shaped",
+    "to_cpu",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shardopt.core.blocks import local_tensor
+from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled_wait import compiled_wait, hook_ancestors
 from shardopt.functional.engine._layout import FlatLayout
 
@@ -105,7 +106,6 @@ class GradReducer:
         self.layout = layout
         self.free_grads = free_grads
         self.order = tuple(reversed(layout.keys))
-        self.touching = [layout.bucket_of(t) for t in range(len(layout.plan.tensors))]
         self.present = [False] * len(layout.plan.tensors)
         self.accumulate = False
         self.launched_early = 0.0
@@ -165,14 +165,10 @@ class GradReducer:
         return hook
 
     def _reset_pass(self) -> None:
-        params = self._params or []
-        trainable = [p.requires_grad for p in params]
+        params = self._params
+        trainable = [p.requires_grad for p in params] if params else [False] * len(self.present)
         self._ready = [False] * len(self.present)
-        self._remaining = {
-            key: sum(1 for t in self.layout.bucket_tensors[key] if trainable and trainable[t])
-            for key in self.order
-        }
-        self._pos = 0
+        self.layout.expect_grads(trainable)  # the layout counts each bucket's readiness
         self._queued = False
         self._hooks_run = 0
         self._launches: list[tuple[int, int]] = []  # (hooks run before it, elements)
@@ -183,16 +179,15 @@ class GradReducer:
             self._queued = True
         self._ready[i] = self.present[i] = True
         self._hooks_run += 1
-        self._remaining[self.touching[i]] -= 1
-        while self._pos < len(self.order) and self._remaining[self.order[self._pos]] == 0:
-            self._launch_next()
+        self.layout.register_grad_ready(
+            i, self._ready_grad, accumulate=self.accumulate, started=self._started
+        )
 
-    def _launch_next(self) -> None:
+    def _started(self, key: BucketKey) -> None:
+        """After bucket ``key``'s reduction is launched: counts it, and (stage 2) frees the
+        full gradients it packed."""
         assert self._params is not None
-        key = self.order[self._pos]
-        self._pos += 1
         self._launches.append((self._hooks_run, self.layout.bucket(key).numel))
-        self.layout.start_grad_sync(key, self._ready_grad, accumulate=self.accumulate)
         if self.free_grads:
             for t in self.layout.bucket_tensors[key]:
                 if self._ready[t]:
@@ -206,8 +201,9 @@ class GradReducer:
         return None if grad is None else local_tensor(grad)
 
     def _end_of_backward(self) -> None:
-        while self._pos < len(self.order):
-            self._launch_next()
+        self.layout.start_remaining_grad_syncs(
+            self._ready_grad, accumulate=self.accumulate, started=self._started
+        )
         self.layout.finish_grad_sync()  # backward returns with the shards complete, as DDP's
         total = sum(n for _, n in self._launches)
         early = sum(n for run, n in self._launches if run < self._hooks_run)

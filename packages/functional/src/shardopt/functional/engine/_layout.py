@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from shardopt.core import Bucket, Plan
+from shardopt.core import Plan
 from shardopt.core.blocks import local_tensor
+from shardopt.functional.engine._buckets import BucketKey, BucketMap
 from shardopt.functional.engine._collectives import (
     Algorithm,
     Pending,
     PendingQueue,
     ProcessGroup,
-    all_gather_bucket,
     average_across,
     reduce_scatter_bucket,
-    reduce_scratch_numel,
-    resolve_algorithm,
 )
+from shardopt.functional.engine._staging import GradStaging
+from shardopt.functional.engine._storage import FlatStorage, ParamStorage, StagedStorage
 
-__all__ = ["BucketKey", "FlatLayout", "build_layout", "staging_numel"]
-
-BucketKey = tuple[int, int]  # (plan group, bucket in the group)
+__all__ = ["BucketKey", "FlatLayout", "build_layout"]
 
 # [Note: engine]
 # One FlatLayout per sharded optimizer owns everything that moves parameters or gradients: the
@@ -41,17 +38,14 @@ BucketKey = tuple[int, int]  # (plan group, bucket in the group)
 #   adjacent, so their local gradients are packed end to end into a staging buffer of the
 #   bucket's size (zeros for padding and for missing gradients), reduce-scattered in place, and
 #   the rank's shard of the sum, divided by W, lands in its gradient shard (copied, or added to
-#   accumulate). See [Note: gradient staging].
+#   accumulate). See [Note: gradient staging] in _staging.py.
+# - readiness (``expect_grads`` / ``register_grad_ready``): during backward the layout counts the
+#   gradients each bucket still waits for and launches each bucket's gradient sync as soon as it
+#   and every later bucket are ready ([Note: overlap with backward] in _hooks.py).
 #
-# [Note: gradient staging]
-# A group has two persistent staging buffers used in turn, so packing one bucket overlaps the
-# reduction of the previous; each holds the group's largest bucket, so together they are at most
-# about 2 * 2 * bucket_numel elements, whatever W (twice that under EXCHANGE, whose all-to-all
-# receives into a scratch of the bucket's size: [Note: collective algorithms]). A tensor larger
-# than ``bucket_numel`` (an embedding) is a bucket of its own; sizing the persistent buffers
-# for it would keep twice its gradient alive between steps, so it is packed into a buffer of its
-# own that lives only until its reduction completes (in stage 2 its full gradient is freed as
-# soon as it is packed, so the moment's peak is one such gradient more).
+# Where the parameters live is the layout's storage, chosen when it is built ([Note: parameter
+# storage] in _storage.py): views of the flat buffers, or their own storage synced through
+# staging rows.
 #
 # Collectives must be entered in the same order on every rank. Parameter syncs run in bucket
 # order (the next forward needs the first buckets first); gradient syncs in reverse bucket order
@@ -82,7 +76,7 @@ BucketKey = tuple[int, int]  # (plan group, bucket in the group)
 # needs no collective and cannot hang.
 
 
-class FlatLayout:
+class FlatLayout(BucketMap):
     """The flat buffers of a plan on one rank, and their bucketed collectives.
 
     See [Note: engine]. ``buffers[g]`` is the parameter buffer of ``plan.groups[g]``,
@@ -100,25 +94,28 @@ class FlatLayout:
         algorithm: Algorithm | str = Algorithm.AUTO,
         reduce_dtype: torch.dtype | None = None,
         replicate: ProcessGroup | None = None,
+        storage: ParamStorage | None = None,
     ) -> None:
-        _check_buffers(plan, buffers)
-        self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
+        if storage is None:  # (a staged storage serves parameter syncs only: no buffers)
+            _check_buffers(plan, buffers)
         self.group, self.algorithm = group, Algorithm(algorithm)
         self.replicate = replicate  # the other replicas' group ([Note: hybrid sharding])
         self._tensor_parallel: Any = None  # see [Note: tensor-parallel norms]
         self._global_places: Any = None  # see [Note: tensor-parallel checkpoints]
         self.reduce_dtype = reduce_dtype
-        self.pieces = plan.pieces(rank)
-        self._map_buckets()
+        super().__init__(plan, rank, buffers)
+        self._storage = storage or FlatStorage(
+            plan, self.buffers, group=group, algorithm=self.algorithm
+        )
         self.grad_shards: tuple[torch.Tensor | None, ...] = (None,) * len(plan.groups)
-        self._staging: list[torch.Tensor | None] = [None] * len(plan.groups)
-        self._slot = [0] * len(plan.groups)
+        self._grad_staging: GradStaging | None = None
         self._grads = PendingQueue()
+        self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
+        self._next_grad = 0  # the next bucket to launch, in reverse bucket order
         self._params: dict[BucketKey, Pending] = {}
         self._order = {key: i for i, key in enumerate(self.keys)}
         # The buckets keys[:synced] have no parameter sync in flight (the sync frontier).
         self.synced = len(self.keys)
-        self._param_views: list[torch.Tensor] | None = None
         self._deferring = 0  # registered param hooks: step leaves its gathers in flight
 
     def set_places(self, tensor_parallel: Any, global_places: Any) -> None:
@@ -147,132 +144,13 @@ class FlatLayout:
         """Whether ``step`` leaves its parameter gathers in flight (param hooks registered)."""
         return self._deferring > 0
 
-    def _map_buckets(self) -> None:
-        """The per-bucket tables every collective and update reads (derived from the plan)."""
-        plan, rank = self.plan, self.rank
-        self.keys: tuple[BucketKey, ...] = tuple(
-            (g, b) for g, grp in enumerate(plan.groups) for b in range(len(grp.buckets))
-        )
-        self.bucket_tensors: dict[BucketKey, tuple[int, ...]] = {k: () for k in self.keys}
-        for t in range(len(plan.tensors)):
-            g, b, _ = plan.locate(t)
-            self.bucket_tensors[(g, b)] += (t,)
-        self.piece_ranges = self._piece_ranges()
-        # (tensor, its first element in the bucket, numel) of each bucket's tensors: the packing
-        self.packing = {
-            key: tuple(
-                (t, plan.locate(t)[2] - self.bucket(key).start, plan.tensors[t].numel)
-                for t in tensors
-            )
-            for key, tensors in self.bucket_tensors.items()
-        }
-        self.gaps = {
-            key: _gaps(packing, self.bucket(key).numel) for key, packing in self.packing.items()
-        }
-        self.oversized = tuple(oversized(plan, g) for g in range(len(plan.groups)))
-        self.shard_offsets = {
-            (g, b): sum(x.shards[rank] for x in grp.buckets[:b])
-            for g, grp in enumerate(plan.groups)
-            for b in range(len(grp.buckets))
-        }
-
-    def _piece_ranges(self) -> dict[BucketKey, tuple[int, int]]:
-        """The pieces ``[lo, hi)`` of each bucket (pieces are in bucket order)."""
-        out = {k: (0, 0) for k in self.keys}
-        for key, run in itertools.groupby(
-            range(len(self.pieces)), key=lambda i: self.bucket_of(self.pieces[i].tensor)
-        ):
-            idx = list(run)
-            out[key] = (idx[0], idx[-1] + 1)
-        return out
-
-    # -- where things are ------------------------------------------------------------------------
-
-    def bucket_of(self, tensor: int) -> BucketKey:
-        """The (group, bucket) that holds plan tensor ``tensor``."""
-        g, b, _ = self.plan.locate(tensor)
-        return g, b
-
-    def bucket(self, key: BucketKey) -> Bucket:
-        """The plan's bucket ``key``."""
-        return self.plan.groups[key[0]].buckets[key[1]]
-
-    def bucket_shard(self, key: BucketKey) -> torch.Tensor:
-        """This rank's shard of bucket ``key``, as a view of the parameter buffer."""
-        bucket = self.bucket(key)
-        start = bucket.shard_start(self.rank)
-        return self.buffers[key[0]][start : start + bucket.shards[self.rank]]
-
-    def compact(self, shards: Sequence[torch.Tensor], key: BucketKey) -> torch.Tensor:
-        """Bucket ``key``'s part of compact shards ``shards`` (one per group)."""
-        off = self.shard_offsets[key]
-        return shards[key[0]][off : off + self.bucket(key).shards[self.rank]]
-
-    def copy_shard_out(self, g: int) -> torch.Tensor:
-        """This rank's shard of group ``g``'s parameters, compact (a new tensor)."""
-        parts = [self.bucket_shard(k) for k in self.keys if k[0] == g]
-        return torch.cat(parts) if parts else self.buffers[g].new_zeros(0)
-
-    def copy_shard_in(self, g: int, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
-        """Writes elements ``[lo, hi)`` of compact shard ``src`` of group ``g`` into the buffer."""
-        hi = src.numel() if hi is None else hi
-        with torch.no_grad():
-            for key in (k for k in self.keys if k[0] == g):
-                off = self.shard_offsets[key]
-                a, b = max(lo, off), min(hi, off + self.bucket(key).shards[self.rank])
-                if a < b:
-                    self.bucket_shard(key)[a - off : b - off].copy_(src[a:b])
-
-    def param_views(self) -> list[torch.Tensor]:
-        """Each piece's elements of the parameter buffer, as 1-D views (made once)."""
-        if self._param_views is None:
-            out = []
-            for p in self.pieces:
-                start = self.plan.locate(p.tensor)[2] + p.start
-                out.append(self.buffers[p.group][start : start + p.numel])
-            self._param_views = out
-        return list(self._param_views)
-
-    def piece_views(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views."""
-        return [shards[p.group][p.offset : p.offset + p.numel] for p in self.pieces]
-
-    def grad_views(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Each piece's elements of full gradients ``grads`` (one per plan tensor), as views."""
-        out: list[torch.Tensor | None] = []
-        for p in self.pieces:
-            g = grads[p.tensor]
-            out.append(None if g is None else g.view(-1)[p.start : p.stop])
-        return out
-
-    def address_of(self, t: int) -> int:
-        """Where plan tensor ``t``'s elements start in its group's buffer (a memory address)."""
-        g, _, offset = self.plan.locate(t)
-        return self.buffers[g].data_ptr() + offset * self.buffers[g].element_size()
-
-    def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
-        """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
-        if len(params) != len(self.plan.tensors):
-            return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
-        for t, p in enumerate(map(local_tensor, params)):
-            moved = p.numel() > 0 and p.data_ptr() != self.address_of(t)
-            if moved or tuple(p.shape) != self.plan.tensors[t].shape:
-                return (
-                    f"the parameters given to init (views of the flat buffers), got params[{t}] "
-                    "elsewhere"
-                )
-        return None
-
     # -- parameter sync ------------------------------------------------------------------------
 
     def start_param_sync(self, key: BucketKey) -> None:
-        """Launches the all-gather of bucket ``key`` (see [Note: deferred parameter sync])."""
+        """Launches bucket ``key``'s sync in the layout's storage (see [Note: deferred parameter
+        sync])."""
         self.wait_params((key,))
-        bucket = self.bucket(key)
-        pending = all_gather_bucket(
-            self.buffers[key[0]], bucket, group=self.group, async_op=True, algorithm=self.algorithm
-        )
-        self._params[key] = pending
+        self._params[key] = self._storage.gather(key)
         self.synced = min(self.synced, self._order[key])
 
     def wait_params(self, keys: Iterable[BucketKey] | None = None) -> None:
@@ -295,11 +173,22 @@ class FlatLayout:
         """Whether some parameter sync is still in flight."""
         return bool(self._params)
 
-    def sync_params(self) -> None:
-        """Every bucket's parameter sync, launched in bucket order and waited for."""
+    def sync_params(self, prepare: Callable[[BucketKey], None] | None = None) -> None:
+        """Every bucket's parameter sync, launched in bucket order (``prepare(key)`` just before
+        bucket ``key``'s), and waited for unless param hooks defer it ([Note: deferred parameter
+        sync]): the one loop of every parameter sync."""
         for key in self.keys:
+            if prepare is not None:
+                prepare(key)
             self.start_param_sync(key)
-        self.wait_params()
+        if not self.deferred:
+            self.wait_params()
+
+    def start_tensor_sync(self, tensors: Sequence[int]) -> list[Pending]:
+        """Launches the sync of whole plan ``tensors`` (greedy plan) from their owners, outside
+        the bucket order (the DDP comm hooks'); every rank passes the same ``tensors``. Returns
+        the handles, whose ``wait()`` completes them."""
+        return self._storage.send_tensors(tensors)
 
     # -- gradient sync -------------------------------------------------------------------------
 
@@ -319,29 +208,16 @@ class FlatLayout:
     @property
     def staging(self) -> tuple[torch.Tensor, ...]:
         """The gradient staging buffers allocated so far (see :func:`staging_numel`)."""
-        return tuple(s for s in self._staging if s is not None)
+        return () if self._grad_staging is None else self._grad_staging.allocated
 
     def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor, Hashable]:
         """Bucket ``key``'s staging, its reduction's scratch (maybe empty) and their tag."""
-        g, bucket = key[0], self.bucket(key)
-        dtype = self.reduce_dtype or self.buffers[g].dtype
-        device = self.buffers[g].device
-        algo = resolve_algorithm(self.algorithm, self.group, device)
-        numel = bucket.numel + reduce_scratch_numel(bucket, algo)
-        if key[1] in self.oversized[g]:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            return buf[: bucket.numel], buf[bucket.numel :], key
-        slots = self._staging[g]
-        if slots is None:
-            regular = len(self.plan.groups[g].buckets) - len(self.oversized[g])
-            count = 2 if regular > 1 else 1
-            shape = (count, staging_numel(self.plan, g, algo) // count)
-            slots = self._staging[g] = torch.empty(shape, dtype=dtype, device=device)
-        slot = self._slot[g]
-        self._slot[g] = (slot + 1) % slots.shape[0]
-        self._grads.release((g, slot))  # the slot's previous reduction must be done
-        row = slots[slot]
-        return row[: bucket.numel], row[bucket.numel : numel], (g, slot)
+        if self._grad_staging is None:
+            groups = range(len(self.plan.groups))
+            dtypes = tuple(self.reduce_dtype or self.buffers[g].dtype for g in groups)
+            devices = tuple(self.buffers[g].device for g in groups)
+            self._grad_staging = GradStaging(self.plan, dtypes, devices, self.algorithm, self.group)
+        return self._grad_staging.take(key, self._grads)
 
     def start_grad_sync(
         self, key: BucketKey, grad_of: Callable[[int], torch.Tensor | None], *, accumulate: bool
@@ -386,17 +262,54 @@ class FlatLayout:
         """Waits for every gradient sync in flight (their shards are then complete)."""
         self._grads.wait_all()
 
+    # -- readiness -----------------------------------------------------------------------------
 
-def _gaps(packing: Sequence[tuple[int, int, int]], numel: int) -> tuple[tuple[int, int], ...]:
-    """The ranges of ``[0, numel)`` that no packed tensor covers (padding)."""
-    out, end = [], 0
-    for _, lo, n in sorted(packing, key=lambda x: x[1]):
-        if lo > end:
-            out.append((end, lo))
-        end = max(end, lo + n)
-    if end < numel:
-        out.append((end, numel))
-    return tuple(out)
+    def expect_grads(self, trainable: Sequence[bool]) -> None:
+        """Starts counting a backward pass: each bucket waits for the gradients of its tensors
+        ``t`` with ``trainable[t]``."""
+        self._expected = {
+            key: sum(1 for t in self.bucket_tensors[key] if trainable[t]) for key in self.keys
+        }
+        self._next_grad = 0
+
+    def register_grad_ready(
+        self,
+        t: int,
+        grad_of: Callable[[int], torch.Tensor | None],
+        *,
+        accumulate: bool,
+        started: Callable[[BucketKey], None],
+    ) -> None:
+        """Counts plan tensor ``t``'s gradient ready; starts, in reverse bucket order, the
+        gradient sync of every bucket whose gradients are all ready and whose later buckets are
+        started, calling ``started(key)`` after each."""
+        self._expected[self.touching[t]] -= 1
+        order = self.keys[::-1]
+        while self._next_grad < len(order) and self._expected[order[self._next_grad]] == 0:
+            self._start_next_grad_sync(grad_of, accumulate, started)
+
+    def start_remaining_grad_syncs(
+        self,
+        grad_of: Callable[[int], torch.Tensor | None],
+        *,
+        accumulate: bool,
+        started: Callable[[BucketKey], None],
+    ) -> None:
+        """Starts the gradient sync of every bucket not started in this pass (the end of a
+        backward pass, where some tensors had no gradient)."""
+        while self._next_grad < len(self.keys):
+            self._start_next_grad_sync(grad_of, accumulate, started)
+
+    def _start_next_grad_sync(
+        self,
+        grad_of: Callable[[int], torch.Tensor | None],
+        accumulate: bool,
+        started: Callable[[BucketKey], None],
+    ) -> None:
+        key = self.keys[len(self.keys) - 1 - self._next_grad]
+        self._next_grad += 1
+        self.start_grad_sync(key, grad_of, accumulate=accumulate)
+        started(key)
 
 
 def _check_buffers(plan: Plan, buffers: Sequence[torch.Tensor]) -> None:
@@ -419,10 +332,13 @@ def build_layout(
     algorithm: Algorithm | str = Algorithm.AUTO,
     reduce_dtype: torch.dtype | None = None,
     replicate: ProcessGroup | None = None,
+    storage: str = "flat",
 ) -> FlatLayout:
     """Allocates the flat buffers, copies ``params`` in and re-points them as views.
 
     See [Note: flat storage]. ``params`` must match ``plan.tensors`` (checked by the caller).
+    With ``storage="staged"`` the parameters keep their storage, and the layout serves their
+    syncs only ([Note: parameter storage]).
 
     Example:
         >>> from shardopt.core import plan_partition
@@ -431,6 +347,10 @@ def build_layout(
         >>> params[0].data_ptr() == layout.buffers[0].data_ptr(), layout.buffers[0].numel()
         (True, 8)
     """
+    if storage == "staged":
+        algo = Algorithm(algorithm)
+        staged = StagedStorage(plan, params, rank, group=group, algorithm=algo)
+        return FlatLayout(plan, rank, (), group=group, algorithm=algo, storage=staged)
     buffers = []
     with torch.no_grad():
         for grp in plan.groups:
@@ -452,28 +372,3 @@ def build_layout(
         reduce_dtype=reduce_dtype,
         replicate=replicate,
     )
-
-
-def oversized(plan: Plan, g: int) -> frozenset[int]:
-    """The buckets of group ``g`` that are one tensor of ``plan.bucket_numel`` elements or more
-    (their gradients go through a staging buffer of their own: [Note: gradient staging])."""
-    if plan.bucket_numel is None:
-        return frozenset()
-    count: dict[int, int] = {}
-    big: set[int] = set()
-    for t in plan.groups[g].tensors:
-        _, b, _ = plan.locate(t)
-        count[b] = count.get(b, 0) + 1
-        if plan.tensors[t].numel >= plan.bucket_numel:
-            big.add(b)
-    return frozenset(b for b in big if count[b] == 1)
-
-
-def staging_numel(plan: Plan, g: int, algorithm: Algorithm = Algorithm.COLLECTIVE) -> int:
-    """Elements of group ``g``'s persistent gradient staging under the concrete ``algorithm``:
-    two slots (one if the group has a single bucket), each holding any of its buckets that is
-    not :func:`oversized` with that bucket's reduction scratch (see [Note: gradient staging])."""
-    skip = oversized(plan, g)
-    buckets = [x for b, x in enumerate(plan.groups[g].buckets) if b not in skip]
-    largest = max((b.numel + reduce_scratch_numel(b, algorithm) for b in buckets), default=0)
-    return largest * (2 if len(buckets) > 1 else 1)

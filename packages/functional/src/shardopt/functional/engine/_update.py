@@ -11,7 +11,8 @@ from torch.utils import _pytree as pytree
 from shardopt.core import InjectHyperparamsState, Plan, Transformation, update_flat_
 from shardopt.core.blocks import needs_whole_tensors, update_whole_, whole_tensor_mask
 from shardopt.functional._state import slice_state
-from shardopt.functional.engine._layout import BucketKey, FlatLayout
+from shardopt.functional.engine._buckets import BucketKey
+from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = ["cut_for_whole", "shaped", "update_and_sync"]
 
@@ -132,10 +133,10 @@ def update_and_sync(
         update_whole_(tx, shaped(layout, params), shaped(layout, grads), inner)
     elif not sliceable:
         _update(tx, inner, params, grads, 0, len(params))
-    for key in layout.keys:
+
+    def prepare(key: BucketKey) -> None:  # bucket key's pieces updated, then gathered
         if sliceable:
             _update(tx, inner, params, grads, *layout.piece_ranges[key])
         _copy_master(layout, master, key)
-        layout.start_param_sync(key)
-    if not layout.deferred:
-        layout.wait_params()
+
+    layout.sync_params(prepare)

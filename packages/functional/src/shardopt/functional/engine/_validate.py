@@ -189,6 +189,22 @@ def agree_across_ranks(
         )
 
 
+def ranks_with(flag: bool, group: ProcessGroup = None) -> list[int]:
+    """The group ranks whose ``flag`` is true, on every rank: one all-gather of one int64 each.
+
+    Example:
+        >>> import os, tempfile, torch.distributed as dist
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> ranks_with(True), ranks_with(False)
+        ([0], [])
+        >>> dist.destroy_process_group()
+    """
+    row = torch.tensor([int(bool(flag))], dtype=torch.int64, device=comm_device(group))
+    rows = all_gather_rows(row, group=group).cpu()
+    return [r for r in range(rows.shape[0]) if rows[r, 0].item()]
+
+
 def _naming(api: str, error: BaseException) -> BaseException:
     """``error``, or one of its type whose message starts with ``api`` (torch's own errors, e.g.
     an optimizer's "Invalid learning rate", keep their type and words behind the prefix)."""

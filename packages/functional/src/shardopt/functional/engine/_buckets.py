@@ -1,0 +1,154 @@
+"""Where things are in a plan's buckets on one rank: the index arithmetic every collective reads."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from shardopt.core import Bucket, Plan
+from shardopt.core.blocks import local_tensor
+
+__all__ = ["BucketKey", "BucketMap"]
+
+BucketKey = tuple[int, int]  # (plan group, bucket in the group)
+
+
+class BucketMap:
+    """The per-bucket tables of ``plan`` on ``rank``, derived once from the plan (the index
+    spaces of [Note: engine glossary]): the bucket keys, each bucket's tensors, pieces and
+    packing, where each bucket's shard sits in a compact shard, and views of the parameter
+    ``buffers`` (one per plan group; none for a layout of staged storage)."""
+
+    def __init__(self, plan: Plan, rank: int, buffers: Sequence[torch.Tensor]) -> None:
+        self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
+        self.pieces = plan.pieces(rank)
+        self._param_views: list[torch.Tensor] | None = None
+        self._map_buckets()
+
+    def _map_buckets(self) -> None:
+        """The per-bucket tables every collective and update reads (derived from the plan)."""
+        plan, rank = self.plan, self.rank
+        self.keys: tuple[BucketKey, ...] = tuple(
+            (g, b) for g, grp in enumerate(plan.groups) for b in range(len(grp.buckets))
+        )
+        self.bucket_tensors: dict[BucketKey, tuple[int, ...]] = {k: () for k in self.keys}
+        for t in range(len(plan.tensors)):
+            g, b, _ = plan.locate(t)
+            self.bucket_tensors[(g, b)] += (t,)
+        self.piece_ranges = self._piece_ranges()
+        # (tensor, its first element in the bucket, numel) of each bucket's tensors: the packing
+        self.packing = {
+            key: tuple(
+                (t, plan.locate(t)[2] - self.bucket(key).start, plan.tensors[t].numel)
+                for t in tensors
+            )
+            for key, tensors in self.bucket_tensors.items()
+        }
+        self.gaps = {
+            key: _gaps(packing, self.bucket(key).numel) for key, packing in self.packing.items()
+        }
+        self.touching = tuple(self.bucket_of(t) for t in range(len(plan.tensors)))
+        self.shard_offsets = {
+            (g, b): sum(x.shards[rank] for x in grp.buckets[:b])
+            for g, grp in enumerate(plan.groups)
+            for b in range(len(grp.buckets))
+        }
+
+    def _piece_ranges(self) -> dict[BucketKey, tuple[int, int]]:
+        """The pieces ``[lo, hi)`` of each bucket (pieces are in bucket order)."""
+        out = {k: (0, 0) for k in self.keys}
+        for key, run in itertools.groupby(
+            range(len(self.pieces)), key=lambda i: self.bucket_of(self.pieces[i].tensor)
+        ):
+            idx = list(run)
+            out[key] = (idx[0], idx[-1] + 1)
+        return out
+
+    def bucket_of(self, tensor: int) -> BucketKey:
+        """The (group, bucket) that holds plan tensor ``tensor``."""
+        g, b, _ = self.plan.locate(tensor)
+        return g, b
+
+    def bucket(self, key: BucketKey) -> Bucket:
+        """The plan's bucket ``key``."""
+        return self.plan.groups[key[0]].buckets[key[1]]
+
+    def compact(self, shards: Sequence[torch.Tensor], key: BucketKey) -> torch.Tensor:
+        """Bucket ``key``'s part of compact shards ``shards`` (one per group)."""
+        off = self.shard_offsets[key]
+        return shards[key[0]][off : off + self.bucket(key).shards[self.rank]]
+
+    def piece_views(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views."""
+        return [shards[p.group][p.offset : p.offset + p.numel] for p in self.pieces]
+
+    def grad_views(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Each piece's elements of full gradients ``grads`` (one per plan tensor), as views."""
+        out: list[torch.Tensor | None] = []
+        for p in self.pieces:
+            g = grads[p.tensor]
+            out.append(None if g is None else g.view(-1)[p.start : p.stop])
+        return out
+
+    def bucket_shard(self, key: BucketKey) -> torch.Tensor:
+        """This rank's shard of bucket ``key``, as a view of the parameter buffer."""
+        bucket = self.bucket(key)
+        start = bucket.shard_start(self.rank)
+        return self.buffers[key[0]][start : start + bucket.shards[self.rank]]
+
+    def copy_shard_out(self, g: int) -> torch.Tensor:
+        """This rank's shard of group ``g``'s parameters, compact (a new tensor)."""
+        parts = [self.bucket_shard(k) for k in self.keys if k[0] == g]
+        return torch.cat(parts) if parts else self.buffers[g].new_zeros(0)
+
+    def copy_shard_in(self, g: int, src: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Writes elements ``[lo, hi)`` of compact shard ``src`` of group ``g`` into the buffer."""
+        hi = src.numel() if hi is None else hi
+        with torch.no_grad():
+            for key in (k for k in self.keys if k[0] == g):
+                off = self.shard_offsets[key]
+                a, b = max(lo, off), min(hi, off + self.bucket(key).shards[self.rank])
+                if a < b:
+                    self.bucket_shard(key)[a - off : b - off].copy_(src[a:b])
+
+    def param_views(self) -> list[torch.Tensor]:
+        """Each piece's elements of the parameter buffer, as 1-D views (made once)."""
+        if self._param_views is None:
+            out = []
+            for p in self.pieces:
+                start = self.plan.locate(p.tensor)[2] + p.start
+                out.append(self.buffers[p.group][start : start + p.numel])
+            self._param_views = out
+        return list(self._param_views)
+
+    def address_of(self, t: int) -> int:
+        """Where plan tensor ``t``'s elements start in its group's buffer (a memory address)."""
+        g, _, offset = self.plan.locate(t)
+        return self.buffers[g].data_ptr() + offset * self.buffers[g].element_size()
+
+    def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
+        """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
+        if len(params) != len(self.plan.tensors):
+            return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
+        for t, p in enumerate(map(local_tensor, params)):
+            moved = p.numel() > 0 and p.data_ptr() != self.address_of(t)
+            if moved or tuple(p.shape) != self.plan.tensors[t].shape:
+                return (
+                    f"the parameters given to init (views of the flat buffers), got params[{t}] "
+                    "elsewhere"
+                )
+        return None
+
+
+def _gaps(packing: Sequence[tuple[int, int, int]], numel: int) -> tuple[tuple[int, int], ...]:
+    """The ranges of ``[0, numel)`` that no packed tensor covers (padding)."""
+    out, end = [], 0
+    for _, lo, n in sorted(packing, key=lambda x: x[1]):
+        if lo > end:
+            out.append((end, lo))
+        end = max(end, lo + n)
+    if end < numel:
+        out.append((end, numel))
+    return tuple(out)

@@ -1,0 +1,123 @@
+"""What ZeroRedundancyOptimizer asks of its partition: the backend Protocol, and re-seating."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from shardopt.functional import FlatLayout
+
+__all__ = ["ZeroBackend", "reseat"]
+
+# [Note: one backend]
+# ZeroRedundancyOptimizer is one class over two partitions. Its constructor picks the backend
+# once, from ``partition``: a GreedyBackend (torch's local optimizer over whole parameters,
+# ``optim/_zero_greedy.py``) or a FlatBackend (shardopt.core's update over flat slices,
+# ``optim/_zero_flat_backend.py``); nothing else branches on the partition. The class keeps what
+# torch's has whatever the partition: the param groups, the cross-rank checks of its input, Join,
+# the answers of ``state_dict`` ([Note: state dicts without consolidation]) and the caches of
+# torch's partition attributes. Every collective on parameters or optimizer state is the
+# backend's, and each backend runs them on shardopt.functional's engine: the greedy one syncs
+# through a FlatLayout (bucket views) or its staged storage and consolidates by the windowed
+# gathers of [Note: entries by gathers]; the flat one is ``shard`` itself.
+
+
+class ZeroBackend(Protocol):
+    """A partition of ZeroRedundancyOptimizer's parameters (see [Note: one backend]).
+
+    ``param_groups`` arguments are the optimizer's own groups (torch's format); the backend
+    copies their hyperparameters to and from its local optimizer (``optim``).
+    """
+
+    optim: Any
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        """The greedy partition's layout of bucket views, else None."""
+
+    def prepare(self, group: dict[str, Any]) -> None:
+        """Local checks of a new param group (raising before any collective)."""
+
+    def start(self, param_groups: list[dict[str, Any]]) -> None:
+        """Puts the constructor's groups on the engine (after the ranks agreed on them)."""
+
+    def add_group(self, param_groups: list[dict[str, Any]]) -> None:
+        """Shards the last of ``param_groups``, just added on every rank."""
+
+    def step(
+        self,
+        param_groups: list[dict[str, Any]],
+        closure: Callable[[], Any] | None,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Updates this rank's share and syncs every parameter; returns the loss."""
+
+    def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
+        """Updates those of ``params`` this rank owns, without a sync (the DDP hooks)."""
+
+    def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
+        """Starts the sync of just ``params`` from their owners (the DDP hooks)."""
+
+    def wait_params(self) -> None:
+        """Waits until every parameter holds its value after the last step."""
+
+    def layouts(self) -> list[FlatLayout]:
+        """The engine's layouts whose parameters are views of flat buffers."""
+
+    def hook_targets(self, api: str) -> list[Any]:
+        """What ``register_param_hooks`` hooks (raises ValueError, naming ``api``, if none)."""
+
+    def partition(self, param_groups: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Per rank, each group with the parameters the rank updates."""
+
+    def owners(self, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, int]:
+        """Parameter -> the rank that updates it."""
+
+    def consolidate(
+        self, param_groups: list[dict[str, Any]], index: dict[torch.Tensor, int], *, to: int
+    ) -> dict[int, dict[str, Any]] | None:
+        """The whole state in torch's form, keyed by ``index``, on rank ``to``; collective."""
+
+    def load(
+        self, saved_groups: Sequence[dict[str, Any]], entries: dict[torch.Tensor, Any]
+    ) -> None:
+        """Loads torch-form ``entries`` (param -> entry) of this rank's parameters."""
+
+
+# [Note: re-seated parameters]
+# With bucket views, and always under partition="flat", the parameters are views of the engine's
+# flat buffers. ``module.to(device)`` to a device that is the same but compares unequal (HF
+# Trainer moves the model to ``cpu:0`` while the parameters are on ``cpu``) copies each parameter
+# and rebinds its ``.data``, leaving the buffers behind. Before each step, ``reseat`` copies such
+# a parameter (same shape, dtype, device type and index) back into its place in the buffer and
+# rebinds it to its view; a parameter moved anywhere else is left for the step to refuse
+# (flat) or is not synced (greedy, as torch's).
+
+
+def reseat(layout: FlatLayout, params: Sequence[torch.Tensor]) -> None:
+    """Rebinds each of ``params`` (the layout's tensors, in order) that a same-device move copied
+    out of the flat buffers back to its view there, with its current value (see
+    [Note: re-seated parameters])."""
+    for t, p in enumerate(params):
+        g, _, offset = layout.plan.locate(t)
+        buf, n = layout.buffers[g], p.numel()
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) or n == 0:
+            continue  # a DTensor's local tensor cannot be rebound here
+        if p.data_ptr() == layout.address_of(t):
+            continue
+        same_device = (p.device.type, p.device.index or 0) == (
+            buf.device.type,
+            buf.device.index or 0,
+        )
+        if (
+            not same_device
+            or p.dtype != buf.dtype
+            or tuple(p.shape) != layout.plan.tensors[t].shape
+        ):
+            continue
+        view = buf[offset : offset + n].view(p.shape)
+        with torch.no_grad():
+            view.copy_(p.detach())
+        p.data = view

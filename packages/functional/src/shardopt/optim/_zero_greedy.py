@@ -1,0 +1,208 @@
+"""partition="greedy": torch's local optimizer over whole parameters, synced by the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardopt.functional import FlatLayout, Pending
+from shardopt.functional.engine import ProcessGroup, build_layout, gather_entries
+from shardopt.optim._zero_backend import reseat
+from shardopt.optim._zero_params import API, check_grads
+from shardopt.optim._zero_partition import (
+    copy_hyperparameters,
+    greedy_plan,
+    owners,
+    partition_parameters,
+    step_only,
+)
+
+__all__ = ["GreedyBackend"]
+
+
+# [Note: greedy parameter sync]
+# The greedy partition runs on shardopt.functional's engine ([Note: engine] there): its plan's
+# buckets (runs of whole parameters, each laid out owner by owner, exact sizes: no padding to the
+# largest rank) are the units of every sync, on one FlatLayout in one of the engine's two
+# storages ([Note: parameter storage]), chosen once:
+# - parameters_as_bucket_view=True: "flat"; the parameters are views of its flat buffers, a sync
+#   is one in-place broadcast per owner and bucket (one all-gather where the shards are equal
+#   under NCCL), and ``register_param_hooks`` can leave it in flight until the next forward
+#   ([Note: deferred parameter sync]).
+# - False: "staged"; the parameters keep their own storage, as torch's do, and each bucket goes
+#   through a staging row of the bucket's size ([Note: staged parameter sync]).
+# The layout's calls are the same either way: ``sync_params`` (every bucket, in bucket order),
+# ``wait_params``, and ``start_tensor_sync``, with which the DDP comm hooks sync the parameters
+# of one DDP bucket at a time: one broadcast per owner and run of adjacent parameters. A sync
+# costs one collective per owner and bucket, never one per parameter.
+
+
+def local_states(
+    optim: torch.optim.Optimizer, global_index: Callable[[torch.Tensor], int]
+) -> dict[int, dict[str, Any]]:
+    """The local optimizer's ``state_dict()["state"]`` keyed by global parameter index."""
+    local = optim.state_dict()
+    order = [p for group in optim.param_groups for p in group["params"]]
+    return {
+        global_index(order[i]): entry
+        for i, entry in local["state"].items()
+        if isinstance(i, int) and entry is not None
+    }
+
+
+class GreedyBackend:
+    """torch's partition behind ZeroRedundancyOptimizer (see [Note: the greedy partition] and
+    [Note: greedy parameter sync]): ``optim`` is ``optimizer_class`` over this rank's share."""
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        defaults: dict[str, Any],
+        *,
+        group: ProcessGroup,
+        rank: int,
+        world_size: int,
+        bucket_view: bool,
+    ) -> None:
+        self.optimizer_class = optimizer_class
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.bucket_view = bucket_view
+        self.plan = greedy_plan(param_groups, world_size)
+        local = partition_parameters(param_groups, self.plan)[rank]
+        self.optim: Any = optimizer_class(local, **defaults)  # torch's checks raise here
+        copy_hyperparameters(self.optim.param_groups, param_groups)
+        self.params: list[torch.Tensor] = []
+        self.sync_layout: FlatLayout | None = None  # the engine's layout, set by start
+
+    def prepare(self, group: dict[str, Any]) -> None:
+        """Nothing to check beyond torch's own (the local optimizer's constructor)."""
+
+    def start(self, param_groups: list[dict[str, Any]]) -> None:
+        """Puts the parameters on the engine in the chosen storage."""
+        if self.sync_layout is not None:
+            self.sync_layout.wait_params()
+        self.params = [p for g in param_groups for p in g["params"]]
+        storage = "flat" if self.bucket_view else "staged"  # [Note: parameter storage]
+        self.sync_layout = build_layout(
+            self.plan, self.params, self.rank, group=self.group, storage=storage
+        )
+
+    def add_group(self, param_groups: list[dict[str, Any]]) -> None:
+        """Re-plans (earlier groups keep their owners) and gives the new group's share to the
+        local optimizer."""
+        self.plan = greedy_plan(param_groups, self.world_size)
+        local = partition_parameters(param_groups, self.plan)[self.rank][-1]
+        self.optim.add_param_group(local)
+        copy_hyperparameters(self.optim.param_groups, param_groups)
+        self.start(param_groups)
+
+    def step(
+        self,
+        param_groups: list[dict[str, Any]],
+        closure: Callable[[], Any] | None,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The local optimizer's step over this rank's share, then every parameter's sync."""
+        assert self.sync_layout is not None
+        self.sync_layout.wait_params()  # the update writes what the last gathers send
+        for layout in self.layouts():
+            reseat(layout, self.params)  # see [Note: re-seated parameters]
+        if closure is None:
+            check_grads(self.params, self.optimizer_class)
+        copy_hyperparameters(param_groups, self.optim.param_groups)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            loss = self.optim.step(closure=closure, **kwargs)
+        copy_hyperparameters(self.optim.param_groups, param_groups)
+        self.sync_layout.sync_params()
+        return loss
+
+    def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
+        """``optim.step`` over those of ``params`` this rank owns that have a gradient."""
+        to_rank = self.owners(param_groups)
+        mine = {id(p) for p in params if to_rank.get(p) == self.rank and p.grad is not None}
+        if mine:
+            copy_hyperparameters(param_groups, self.optim.param_groups)
+            step_only(self.optim, mine)
+            copy_hyperparameters(self.optim.param_groups, param_groups)
+
+    def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Pending]:
+        """Starts (and unless ``async_op`` waits for) the sync of ``params`` from their owners."""
+        assert self.sync_layout is not None
+        index = {p: t for t, p in enumerate(self.params)}
+        tensors = []
+        for i, p in enumerate(params):
+            if p not in index:
+                raise ValueError(
+                    f"{API}._sync_params_of: expected parameters of this optimizer, got "
+                    f"params[{i}] of shape {tuple(p.shape)} that it does not hold"
+                )
+            tensors.append(index[p])
+        handles = self.sync_layout.start_tensor_sync(tensors)
+        if not async_op:
+            for handle in handles:
+                handle.wait()
+        return handles
+
+    def wait_params(self) -> None:
+        """Waits for the parameter syncs left in flight (param hooks)."""
+        if self.sync_layout is not None:
+            self.sync_layout.wait_params()
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        """The layout whose buffers the parameters are views of (None: staged storage)."""
+        return self.sync_layout if self.bucket_view else None
+
+    def layouts(self) -> list[FlatLayout]:
+        """The FlatLayout of bucket views, if any."""
+        return [] if self.layout is None else [self.layout]
+
+    def hook_targets(self, api: str) -> list[Any]:
+        """This backend, whose ``layout``'s buckets the param hooks wait for (bucket views
+        only)."""
+        if not self.bucket_view:
+            raise ValueError(
+                f"{api}: expected parameters_as_bucket_view=True or partition='flat' (and "
+                "overlap_with_ddp=False), got parameters_as_bucket_view=False, "
+                "partition='greedy'"
+            )
+        return [self]
+
+    def partition(self, param_groups: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """torch's ``_partition_parameters()``."""
+        return partition_parameters(param_groups, self.plan)
+
+    def owners(self, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, int]:
+        """Parameter -> its owner in the plan."""
+        return owners(param_groups, [self.plan])
+
+    def consolidate(
+        self, param_groups: list[dict[str, Any]], index: dict[torch.Tensor, int], *, to: int
+    ) -> dict[int, dict[str, Any]] | None:
+        """Every rank's local state on rank ``to`` (see [Note: entries by gathers])."""
+        copy_hyperparameters(param_groups, self.optim.param_groups)
+        states = local_states(self.optim, index.__getitem__)
+        return gather_entries(states, to=to, group=self.group)
+
+    def load(
+        self, saved_groups: Sequence[dict[str, Any]], entries: dict[torch.Tensor, Any]
+    ) -> None:
+        """Loads the saved hyperparameters and the entries of this rank's parameters into the
+        local optimizer through its own ``load_state_dict`` (its casts and checks apply)."""
+        local_groups = []
+        state: dict[int, Any] = {}
+        index = 0
+        for saved, group in zip(saved_groups, self.optim.param_groups):
+            hyper = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            ids = list(range(index, index + len(group["params"])))
+            local_groups.append({**hyper, "params": ids})
+            for p in group["params"]:
+                if entries.get(p) is not None:
+                    state[index] = entries[p]
+                index += 1
+        self.optim.load_state_dict({"state": state, "param_groups": local_groups})
