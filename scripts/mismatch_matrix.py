@@ -8,10 +8,11 @@ or partial (some ranks raised). Run it against any checkout to compare before an
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from collections import Counter
+from typing import Any
+
+from _test_module import load_test_module
 
 from shardopt.testing import spawn
 
@@ -34,12 +35,7 @@ def main() -> None:
     parser.add_argument("tests", nargs="?", default=DEFAULT)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("test_agreement", args.tests)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"mismatch_matrix: cannot load {args.tests}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["test_agreement"] = mod
-    spec.loader.exec_module(mod)
+    mod: Any = load_test_module(args.tests, "test_agreement")
     rows = []
     for api, configs in (("zero", mod.ZERO_CONFIGS), ("shard", mod.SHARD_CONFIGS)):
         for config in configs:

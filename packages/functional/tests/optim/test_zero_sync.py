@@ -180,10 +180,10 @@ def test_consolidation_gathers_tensors_without_pickling_them(
     world: World, n: int, partition: str
 ) -> None:
     """After the agreement on ``to`` (one all-gather of 16 bytes per rank), both partitions move
-    tensors by the windowed gathers of [Note: consolidation by gathers]; greedy adds one small
-    object gather (metadata, no tensor data) and one all-reduce of the largest packed size, and
-    its gathers carry, in at most 8 W windows, the largest other rank's packed state. Nothing is
-    broadcast or sent point to point."""
+    tensors by the windowed gathers of [Note: consolidation by gathers]; greedy adds one
+    all-gather of two sizes per rank and one gather of the metadata (no tensor data), and its
+    gathers carry, in at most 8 W windows, the largest other rank's packed state. Nothing is
+    broadcast, sent point to point or gathered as an object."""
     model = mlp(64, 4)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, partition=partition)
     model(torch.randn(3, 64)).sum().backward()
@@ -197,11 +197,11 @@ def test_consolidation_gathers_tensors_without_pickling_them(
         calls.remove((GATHER, 16 * n))
     names = sorted({name for name, _ in calls})
     if partition == "greedy":
-        assert names == ["all_reduce", "gather", "gather_object"]
-        meta = [size for name, size in calls if name == "gather_object"]
-        assert len(meta) == 1
-        assert meta[0] < 4096  # names, shapes, offsets: no tensor data
-        windows = [size for name, size in calls if name == "gather"]
+        assert names == sorted({GATHER, "gather"})
+        sizes, meta, *windows = calls
+        assert sizes == (GATHER, 16 * n)  # every rank's (metadata, data) bytes
+        assert meta[0] == "gather"
+        assert meta[1] < 4096  # names, shapes, offsets: no tensor data
         assert len(windows) <= 8 * n
         owned = [
             sum(2 * p.numel() * 4 for p in model.parameters() if zero._param_to_rank[p] == r)
@@ -209,7 +209,7 @@ def test_consolidation_gathers_tensors_without_pickling_them(
             if r != 1
         ]
         padding = 16 * 3 * len(list(model.parameters()))  # each packed tensor 16-byte aligned
-        assert max(owned) <= sum(windows) <= max(owned) + padding
+        assert max(owned) <= sum(size for _, size in windows) <= max(owned) + padding
     else:
         assert names == ["gather"]
     assert not any(name.startswith("broadcast") for name, _ in calls)

@@ -22,6 +22,7 @@ from shardopt.functional.engine._collectives import (
     all_gather_bucket,
     reduce_scatter_bucket,
 )
+from shardopt.functional.engine._failure import RankFailedError
 from shardopt.functional.engine._hooks import (
     GradHooks,
     ParamHooks,
@@ -39,6 +40,7 @@ __all__ = [
     "ParamHooks",
     "Pending",
     "RankBytes",
+    "RankFailedError",
     "ShardOptions",
     "ShardedState",
     "ShardedTransformation",

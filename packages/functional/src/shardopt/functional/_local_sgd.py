@@ -12,6 +12,8 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import Transformation, apply_updates
 from shardopt.core.blocks import PyTree, tree_leaves, tree_map, tree_structure
+from shardopt.functional.engine._collectives import all_reduce_op
+from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._rooted import ProcessGroup
 
 __all__ = ["average_params", "averaging_due", "local_sgd_step"]
@@ -76,6 +78,7 @@ def in_group(group: ProcessGroup) -> bool:
     return dist.get_rank(group) >= 0
 
 
+@fails_together("average_parameters")
 def average_flat(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
     """The mean of each tensor across ``group``: one flat all-reduce per (dtype, device).
 
@@ -90,7 +93,7 @@ def average_flat(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> list[t
     for indices in buckets.values():
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
         flat.div_(size)
-        dist.all_reduce(flat, group=group)
+        all_reduce_op(flat, dist.ReduceOp.SUM, group=group)
         offset = 0
         for i in indices:
             n = tensors[i].numel()
@@ -99,6 +102,7 @@ def average_flat(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> list[t
     return out
 
 
+@fails_together("average_params")
 def average_params(
     params: PyTree, group: ProcessGroup | None = None, *, where: PyTree | None = None
 ) -> PyTree:
@@ -148,6 +152,7 @@ def check_averageable(api: str, t: Any) -> None:
         raise ValueError(f"{api}: expected floating-point or complex tensors, got {t.dtype}")
 
 
+@fails_together("local_sgd_step")
 def local_sgd_step(
     tx: Transformation,
     params: PyTree,

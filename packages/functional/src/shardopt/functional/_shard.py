@@ -25,6 +25,7 @@ from shardopt.functional.engine._clip import (
     scale_grads,
 )
 from shardopt.functional.engine._collectives import Algorithm, ProcessGroup
+from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._hooks import GradReducer
 from shardopt.functional.engine._layout import FlatLayout, build_layout
 from shardopt.functional.engine._mesh import (
@@ -208,6 +209,7 @@ def shard(
     )
     groups = mesh_groups("shard", group)
 
+    @fails_together("shard.init")
     def init(params: PyTree) -> ShardedState:
         split = [is_split(p) for p in tree_leaves(params)]
         state = _init(tx, plan, opts, groups, local_tensors(params), split)
@@ -215,6 +217,7 @@ def shard(
         state.layout.set_places(tensor_parallel(leaves, state.layout), global_places(leaves))
         return state
 
+    @fails_together("shard.step")
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
         return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
 

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
-from shardopt.functional.engine import describe, mesh_groups, ranks_with
+from shardopt.functional.engine import describe, fails_together, mesh_groups, ranks_with
 from shardopt.optim._zero_backend import ZeroBackend
 from shardopt.optim._zero_flat_backend import FlatBackend
 from shardopt.optim._zero_greedy import GreedyBackend
@@ -188,6 +188,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- stepping ------------------------------------------------------------------------------
 
+    @fails_together(f"{API}.step")
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Steps this rank's share, then syncs every parameter from its owner.
 
@@ -227,6 +228,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         same order. For the DDP communication hooks (greedy only)."""
         return self._backend.sync_params_of(params, async_op=async_op)
 
+    @fails_together(f"{API}.add_param_group")
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group and re-partitions; must be called on every rank.
 
@@ -334,6 +336,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- state dicts ---------------------------------------------------------------------------
 
+    @fails_together(f"{API}.consolidate_state_dict")
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
 
@@ -352,6 +355,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             state = self._backend.consolidate(self.param_groups, self._param_to_index, to=to)
         self._saved.consolidated = state
 
+    @fails_together(f"{API}.consolidate_for_saving")
     def consolidate_for_saving(self, saving: bool) -> None:
         """Gathers the whole state on every rank that passes ``saving=True``; must be called on
         every rank of the group, before a framework saves from some of them.

@@ -16,7 +16,7 @@ from shardopt.functional.checkpoint._checkpoint_keys import (
     piece_slots,
     piece_value,
 )
-from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._rooted import gather_to
 
 __all__ = [
@@ -167,7 +167,7 @@ def shaped_dtypes(api: str, keys: FieldKeys, state: ShardedState) -> torch.Tenso
 def merge_codes(local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Every rank's codes of :func:`shaped_dtypes` merged (each tensor has one owner)."""
     merged = local.to(comm_device(group))
-    dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_op(merged, dist.ReduceOp.MAX, group=group)
     return merged.cpu()
 
 

@@ -36,6 +36,11 @@ from shardopt.functional.checkpoint._hyperparams import (
 )
 from shardopt.functional.checkpoint._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._failure import (
+    completed,
+    fails_together,
+    raised_on_every_rank,
+)
 from shardopt.functional.engine._mesh import GlobalPlace, mesh_groups
 from shardopt.functional.engine._rooted import broadcast_from
 from shardopt.functional.engine._validate import agree_across_ranks, fingerprint
@@ -200,6 +205,7 @@ def _published(target: str) -> str | None:
     return olds[0] if len(olds) == 1 else None
 
 
+@fails_together("save_checkpoint")
 def save_checkpoint(
     state: ShardedState,
     path: str | os.PathLike[str],
@@ -279,16 +285,17 @@ def save_checkpoint(
     sd = {OPTIM_KEY: {**optim, "param_groups": groups}, **(extra or {})}
     try:
         dcp.save(sd, storage_writer=(writer or FileSystemWriter)(tmp), process_group=group)
-    except dcp.CheckpointException:  # raised on every rank alike: clean up, then all return
+    except dcp.CheckpointException as exc:  # raised on every rank alike: clean up, then all
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier(group=group)
+        completed(dist.barrier(group=group, async_op=True))
+        raised_on_every_rank(exc)
         raise
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dist.barrier(group=group)
+    completed(dist.barrier(group=group, async_op=True))
     failure: BaseException | None = None
     if rank == 0:
         try:
@@ -340,6 +347,7 @@ def _check_metadata(
     return None, present, masters
 
 
+@fails_together("load_checkpoint")
 def load_checkpoint(
     state: ShardedState,
     path: str | os.PathLike[str],

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardopt.functional.engine._collectives import ProcessGroup, comm_device
-from shardopt.functional.engine._rooted import gather_object_to, gather_to
+from shardopt.functional.engine._collectives import ProcessGroup, all_gather_rows, comm_device
+from shardopt.functional.engine._rooted import gather_to
 
 __all__ = ["gather_entries", "pack_tensors", "to_cpu", "unpack_tensor"]
 
@@ -19,10 +20,11 @@ __all__ = ["gather_entries", "pack_tensors", "to_cpu", "unpack_tensor"]
 # a flag). ``gather_entries`` brings every rank's entries to rank ``to`` through the transport of
 # [Note: consolidation by gathers], so that the greedy and the flat partitions consolidate alike:
 # - the structure (entry keys, each tensor's dtype, shape and byte offset, the plain values) is
-#   small and travels in one ``gather_object``; no tensor is pickled;
+#   small: pickled to bytes, it travels in one gather; no tensor is pickled;
 # - every rank packs its tensors' bytes end to end into one byte buffer, each tensor at a 16-byte
-#   aligned offset; one all-reduce tells every rank the largest buffer, the common size of the
-#   windowed gathers (8 W of them, each padded where a rank's buffer is shorter);
+#   aligned offset; one all-gather of two sizes per rank tells every rank every size, and the
+#   largest buffer is the common size of the windowed gathers (8 W of them, each padded where a
+#   rank's buffer is shorter);
 # - rank ``to`` allocates one buffer of each other rank's exact size, and each window's gather
 #   writes every rank's row straight into its place there (a row past the end of a shorter
 #   buffer lands in a scratch of one window, then its valid part is copied): no staging, no copy
@@ -120,13 +122,18 @@ def _structure(
 
 
 def _windows_into(
-    buf: torch.Tensor, size: int, into: Sequence[torch.Tensor] | None, to: int, group: ProcessGroup
+    buf: torch.Tensor,
+    size: int,
+    into: Sequence[torch.Tensor] | None,
+    to: int,
+    group: ProcessGroup,
+    count: int | None = None,
 ) -> None:
     """Gathers every rank's ``buf`` (at most ``size`` bytes; padded) into ``into[r]`` on rank
-    ``to`` (exactly rank r's bytes; None elsewhere), in windows of ``size / (8 W)`` bytes, each
+    ``to`` (exactly rank r's bytes; None elsewhere), in ``count`` windows (8 W by default), each
     gathered straight into its place (see [Note: entries by gathers]). Collective."""
     world = dist.get_world_size(group)
-    chunk = max(1, -(-size // (8 * world)))
+    chunk = max(1, -(-size // (count or 8 * world)))
     pad = buf.new_empty(min(chunk, size))  # the target's own input and output, or a tail's
     for lo in range(0, size, chunk):
         n = min(chunk, size - lo)
@@ -186,18 +193,20 @@ def gather_entries(
     mine = {i: to_cpu(dict(entry), copy=True) for i, entry in entries.items()} if rank == to else {}
     tensors, layout = _structure(entries) if rank != to else ([], [])
     buf, specs = pack_tensors(tensors, device)
-    metas: list[Any] | None = [None] * dist.get_world_size(group) if rank == to else None
-    gather_object_to(None if rank == to else (layout, specs, buf.numel()), metas, to, group=group)
-    size = torch.tensor([buf.numel()], dtype=torch.int64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-    into = None
-    if metas is not None:
-        into = [buf.new_empty(0 if m is None else m[2]) for m in metas]
-    _windows_into(buf, int(size.item()), into, to, group)
+    meta = pickle.dumps((layout, specs)) if rank != to else b""
+    meta_buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device) if meta else buf[:0]
+    sizes = torch.tensor([meta_buf.numel(), buf.numel()], dtype=torch.int64, device=device)
+    sizes = all_gather_rows(sizes, group=group).cpu()  # every rank's (metadata, data) bytes
+    metas = into = None
+    if rank == to:
+        metas = [buf.new_empty(int(n)) for n in sizes[:, 0]]
+        into = [buf.new_empty(int(n)) for n in sizes[:, 1]]
+    _windows_into(meta_buf, int(sizes[:, 0].max()), metas, to, group, count=1)
+    _windows_into(buf, int(sizes[:, 1].max()), into, to, group)
     if metas is None or into is None:
         return None
     out = mine
-    for m, received in zip(metas, into):
-        if m is not None:
-            out.update(_unpacked(m[:2], received.cpu()))
+    for r, (m, received) in enumerate(zip(metas, into)):
+        if r != to:
+            out.update(_unpacked(pickle.loads(m.cpu().numpy().tobytes()), received.cpu()))
     return out

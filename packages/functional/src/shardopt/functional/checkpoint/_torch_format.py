@@ -25,6 +25,7 @@ from shardopt.functional.checkpoint._consolidate import (
     shaped_dtypes,
 )
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._validate import agree_across_ranks, describe, fingerprint
 
 __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
@@ -46,6 +47,7 @@ def torch_hyperparams(optimizer: type[torch.optim.Optimizer], **kwargs: Any) -> 
     return {k: v for k, v in group.items() if k != "params"}
 
 
+@fails_together("consolidate_state_dict")
 def consolidate_state_dict(
     state: ShardedState,
     param_groups: Hyperparams = None,

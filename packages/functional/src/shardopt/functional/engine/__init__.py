@@ -48,6 +48,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._failure import RankFailedError, fails_together
 from shardopt.functional.engine._layout import build_layout
 from shardopt.functional.engine._mesh import MeshGroups, mesh_groups
 from shardopt.functional.engine._rooted import (
@@ -114,6 +115,7 @@ __all__ = [
     "broadcast_from",
     "MeshGroups",
     "ProcessGroup",
+    "RankFailedError",
     "agree_across_ranks",
     "average_flat",
     "build_layout",
@@ -122,6 +124,7 @@ __all__ = [
     "comm_device",
     "describe",
     "field_keys",
+    "fails_together",
     "fingerprint",
     "gather_entries",
     "has_state",

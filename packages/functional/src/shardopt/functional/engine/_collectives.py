@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Bucket
+from shardopt.functional.engine._failure import completed
 from shardopt.functional.engine._rooted import ProcessGroup, broadcast_from, reduce_to
 
 __all__ = [
@@ -107,8 +108,10 @@ class Pending:
         """Waits for the collectives, then runs their completion (once)."""
         while self._works:
             work = self._works.pop(0)
-            if work is not None:
+            if isinstance(work, Pending):
                 work.wait()
+            elif work is not None:
+                completed(work)  # see [Note: failing together]
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -148,7 +151,8 @@ def all_gather_into(
     async_op: bool = False,
 ) -> Any:
     """``output = cat(input of every rank)``; ``input`` may be this rank's slice of ``output``."""
-    return _all_gather_fn()(output, input, group=group, async_op=async_op)
+    work = _all_gather_fn()(output, input, group=group, async_op=True)
+    return work if async_op else completed(work)
 
 
 def reduce_scatter_into(
@@ -160,12 +164,19 @@ def reduce_scatter_into(
 ) -> Any:
     """``output = sum over ranks of block rank of input``; ``output`` may be that very block."""
     fn = _reduce_scatter_fn()
-    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work if async_op else completed(work)
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group: ProcessGroup = None) -> torch.Tensor:
     """Sums ``tensor`` over ranks in place (synchronously) and returns it."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return all_reduce_op(tensor, dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_op(tensor: Any, op: Any, *, group: ProcessGroup = None) -> Any:
+    """Reduces ``tensor`` over ranks in place with ``op`` (waited for as [Note: failing
+    together] says) and returns it."""
+    completed(dist.all_reduce(tensor, op=op, group=group, async_op=True))
     return tensor
 
 
@@ -182,7 +193,7 @@ def average_across(
     gradient reduction ([Note: hybrid sharding])."""
 
     def finish() -> None:
-        dist.all_reduce(part, group=group)
+        all_reduce_op(part, dist.ReduceOp.SUM, group=group)
         part.div_(dist.get_world_size(group))
         if accumulate:
             out.add_(part)
@@ -267,18 +278,22 @@ def all_gather_bucket(
     if one_call(bucket, resolve_algorithm(algorithm, group, buffer.device)):
         mine = buffer[bucket.shard_start(rank) : bucket.shard_start(rank) + bucket.shards[rank]]
         region = buffer[bucket.start : bucket.stop]
-        return Pending(all_gather_into(region, mine, group=group, async_op=async_op))
-    works = [
-        broadcast_from(
-            buffer[bucket.shard_start(r) : bucket.shard_start(r) + n],
-            r,
-            group=group,
-            async_op=async_op,
-        )
-        for r, n in enumerate(bucket.shards)
-        if n
-    ]
-    return Pending(works)
+        pending = Pending(all_gather_into(region, mine, group=group, async_op=True))
+    else:
+        works = [
+            broadcast_from(
+                buffer[bucket.shard_start(r) : bucket.shard_start(r) + n],
+                r,
+                group=group,
+                async_op=True,
+            )
+            for r, n in enumerate(bucket.shards)
+            if n
+        ]
+        pending = Pending(works)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def reduce_scatter_bucket(
@@ -328,12 +343,12 @@ def reduce_scatter_bucket(
     algo = resolve_algorithm(algorithm, group, staging.device)
     if world > 1 and bucket.numel:
         if one_call(bucket, algo):
-            work = reduce_scatter_into(mine, staging, group=group, async_op=async_op)
+            work = reduce_scatter_into(mine, staging, group=group, async_op=True)
         elif exchanges(bucket, algo):
             received = _scratch(scratch, staging)
-            work = dist.all_to_all_single(received, staging, group=group, async_op=async_op)
+            work = dist.all_to_all_single(received, staging, group=group, async_op=True)
         else:
-            work = _reduce_to_owners(staging, bucket, group, async_op)
+            work = _reduce_to_owners(staging, bucket, group)
 
     def finish() -> None:
         if received is not None:  # the W copies of this rank's shard: their sum
@@ -363,9 +378,7 @@ def _scratch(scratch: torch.Tensor | None, staging: torch.Tensor) -> torch.Tenso
     return scratch.view(-1)[: staging.numel()]
 
 
-def _reduce_to_owners(
-    staging: torch.Tensor, bucket: Bucket, group: ProcessGroup, async_op: bool
-) -> list[Any]:
+def _reduce_to_owners(staging: torch.Tensor, bucket: Bucket, group: ProcessGroup) -> list[Any]:
     """One in-place ``reduce`` of each rank's shard of the packed ``staging`` to that rank."""
     return [
         reduce_to(
@@ -373,7 +386,7 @@ def _reduce_to_owners(
             r,
             op=dist.ReduceOp.SUM,
             group=group,
-            async_op=async_op,
+            async_op=True,
         )
         for r, n in enumerate(bucket.shards)
         if n

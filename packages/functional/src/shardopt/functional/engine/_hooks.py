@@ -10,6 +10,7 @@ import torch
 from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled_wait import compiled_wait, hook_ancestors
+from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
@@ -173,6 +174,7 @@ class GradReducer:
         self._hooks_run = 0
         self._launches: list[tuple[int, int]] = []  # (hooks run before it, elements)
 
+    @fails_together("register_grad_hooks")
     def _on_grad(self, i: int) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -200,6 +202,7 @@ class GradReducer:
             return None  # (stage 1: .grad, the sum of the step's passes so far)
         return None if grad is None else local_tensor(grad)
 
+    @fails_together("register_grad_hooks")
     def _end_of_backward(self) -> None:
         self.layout.start_remaining_grad_syncs(
             self._ready_grad, accumulate=self.accumulate, started=self._started

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardopt.functional.engine._failure import completed
+
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 
 __all__ = [
@@ -54,7 +56,8 @@ def broadcast_from(
     tensor: torch.Tensor, src: int, *, group: ProcessGroup = None, async_op: bool = False
 ) -> Any:
     """``dist.broadcast`` from rank ``src`` of ``group``."""
-    return dist.broadcast(tensor, group=group, async_op=async_op, **_root("broadcast", group, src))
+    work = dist.broadcast(tensor, group=group, async_op=True, **_root("broadcast", group, src))
+    return work if async_op else completed(work)
 
 
 def reduce_to(
@@ -66,14 +69,16 @@ def reduce_to(
     async_op: bool = False,
 ) -> Any:
     """``dist.reduce`` into rank ``dst`` of ``group``."""
-    return dist.reduce(tensor, op=op, group=group, async_op=async_op, **_root("reduce", group, dst))
+    work = dist.reduce(tensor, op=op, group=group, async_op=True, **_root("reduce", group, dst))
+    return work if async_op else completed(work)
 
 
 def gather_to(
     tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, group: ProcessGroup
 ) -> Any:
     """``dist.gather`` into ``gather_list`` on rank ``dst`` of ``group`` (None elsewhere)."""
-    return dist.gather(tensor, gather_list, group=group, **_root("gather", group, dst))
+    root = _root("gather", group, dst)
+    return completed(dist.gather(tensor, gather_list, group=group, async_op=True, **root))
 
 
 def gather_object_to(obj: Any, out: list[Any] | None, dst: int, *, group: ProcessGroup) -> None:

@@ -12,6 +12,7 @@ import torch
 from shardopt.core import Plan
 from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional.engine._collectives import ProcessGroup, all_gather_rows, comm_device
+from shardopt.functional.engine._failure import raised_on_every_rank
 
 __all__ = [
     "agree_across_ranks",
@@ -172,20 +173,24 @@ def agree_across_ranks(
     row = torch.tensor([0 if error is None else 1, print_], dtype=torch.int64)
     rows = all_gather_rows(row.to(comm_device(group)), group=group).cpu()
     if isinstance(error, BaseException):
-        raise _naming(api, error)
+        raise raised_on_every_rank(_naming(api, error))
     if error is not None:
-        raise ValueError(f"{api}: expected {error}")
+        raise raised_on_every_rank(ValueError(f"{api}: expected {error}"))
     failed = [r for r in range(rows.shape[0]) if rows[r, 0].item()]
     if failed:
-        raise ValueError(
-            f"{api}: expected valid input on every rank, got an error on rank(s) {failed} "
-            "(see its message)"
+        raise raised_on_every_rank(
+            ValueError(
+                f"{api}: expected valid input on every rank, got an error on rank(s) {failed} "
+                "(see its message)"
+            )
         )
     prints = rows[:, 1].tolist()
     if len(set(prints)) > 1:
-        raise ValueError(
-            f"{api}: expected the same parameters, plan, options and optimizer state structure "
-            f"on every rank, got fingerprints {prints} (one per rank)"
+        raise raised_on_every_rank(
+            ValueError(
+                f"{api}: expected the same parameters, plan, options and optimizer state "
+                f"structure on every rank, got fingerprints {prints} (one per rank)"
+            )
         )
 
 
