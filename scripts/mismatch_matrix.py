@@ -1,6 +1,7 @@
 """Counts, per API and configuration, how the cases of test_agreement.py end at W = 2 and 3:
 a clear error on every rank, a hang (a timeout or over the time limit), silent (no rank raised),
-or partial (some ranks raised). Run it against any checkout to compare before and after:
+or partial (some ranks raised); and how many name no field where the ranks' inputs differ (the
+error shows fingerprints only). Run it against any checkout to compare before and after:
 
     python scripts/mismatch_matrix.py [path/to/test_agreement.py] [--out counts.json]
 """
@@ -43,12 +44,14 @@ def main() -> None:
                 res = spawn(mod.run_cases, world, api, config, backend="gloo", timeout=600)
                 for name in res[0]:
                     kind = outcome(mod, api, [r[name] for r in res])
-                    rows.append((api, config, world, name, kind))
+                    unnamed = any("got fingerprints [" in r[name][0] for r in res)
+                    rows.append((api, config, world, name, kind, unnamed))
     for api, config in dict.fromkeys((r[0], r[1]) for r in rows):
         c = Counter(r[4] for r in rows if r[:2] == (api, config))
         print(
             f"{api:5} {config:20} cases={sum(c.values()):3} clear={c['clear']:3} "
-            f"hang={c['hang']:3} silent={c['silent']:3} partial={c['partial']:3}"
+            f"hang={c['hang']:3} silent={c['silent']:3} partial={c['partial']:3} "
+            f"difference-unnamed={sum(1 for r in rows if r[:2] == (api, config) and r[5]):3}"
         )
     if args.out:
         with open(args.out, "w") as f:

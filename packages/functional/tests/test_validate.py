@@ -142,3 +142,27 @@ def test_fingerprints_ignore_device_indices_but_not_the_layout():
     assert fingerprint(on("cuda:0", 2), 0) == fingerprint(on("cuda:1", 2), 0)
     assert fingerprint(on("cuda:0", 2), 0) != fingerprint(on("cuda:0", 3), 0)
     assert fingerprint(on("cpu", 2), 0) != fingerprint(on("cuda:0", 2), 0)
+
+
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_a_mismatch_names_the_first_field_that_differs_with_each_rank_s_value(world):
+    from shardopt.core import plan_partition, sgd
+    from shardopt.functional import shard
+    from shardopt.optim import ZeroRedundancyOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"got param_groups\[0\]\.lr: rank 0 0\.1, rank 1 0\.2$"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1 * (world.rank + 1))
+    mine = [torch.nn.Parameter(torch.zeros(3 + world.rank))]
+    with pytest.raises(ValueError, match=r"params\[0\]: rank 0 '\(3,\) float32 cpu', rank 1 '\(4,"):
+        ZeroRedundancyOptimizer(mine, torch.optim.SGD, lr=0.1)
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"got to: rank 0 0, rank 1 1$"):
+        zero.consolidate_state_dict(to=world.rank)
+    plan = plan_partition(params, 2)
+    stage = r"got options\.stage: rank 0 <Stage\.OPTIMIZER_STATE: 1>, rank 1 <Stage\.GRADIENTS"
+    with pytest.raises(ValueError, match=stage):
+        shard(sgd(0.1), plan, stage=1 + world.rank).init(params)
+    shape = r"got plan\.tensors\[0\]\.shape: rank 0 \[3\], rank 1 \[4\]$"
+    with pytest.raises(ValueError, match=shape):
+        shard(sgd(0.1), plan_partition(mine, 2)).init(mine)

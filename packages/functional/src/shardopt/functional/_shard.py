@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from shardopt.functional.engine._validate import (
     check_grads,
     check_params,
     fingerprint,
+    plan_fields,
     probe_updates,
 )
 
@@ -253,7 +255,14 @@ def _init(
     except Exception as exc:  # raised below, on this rank, after the agreement
         error = error or exc
     print_ = fingerprint(plan, (opts, sorted(probed.items()), computes, groups.description))
-    agree_across_ranks("shard", error, print_, groups.agree)
+    named = {  # what differs, named on the failure path ([Note: naming what differs])
+        "options": {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)},
+        "state fields": dict(probed),
+        "update": computes,
+        "mesh": groups.description,
+        "plan": plan_fields(plan),
+    }
+    agree_across_ranks("shard", error, print_, groups.agree, lambda: named)
     layout = build_layout(
         plan,
         params,

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
-from shardopt.functional.engine import describe, fails_together, mesh_groups, ranks_with
+from shardopt.functional.engine import fails_together, mesh_groups, ranks_with
 from shardopt.optim._zero_backend import ZeroBackend
 from shardopt.optim._zero_flat_backend import FlatBackend
 from shardopt.optim._zero_greedy import GreedyBackend
@@ -24,7 +24,7 @@ from shardopt.optim._zero_params import (
     check_options,
     check_param_types,
     check_rank,
-    describe_group,
+    group_fields,
     group_params,
     on_device,
     read_params,
@@ -132,7 +132,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
 
         def build() -> tuple[None, Any]:
-            return None, (self._build(params, options), groups.description)
+            return None, {**self._build(params, options), "mesh": groups.description}
 
         agreed(
             API,
@@ -146,7 +146,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # -- construction -------------------------------------------------------------------------
 
-    def _build(self, params: Any, options: tuple[Any, ...]) -> str:
+    def _build(self, params: Any, options: tuple[Any, ...]) -> dict[str, Any]:
         """Everything local of the constructor: checks, param groups, the backend (the one
         choice of the partition: [Note: one backend]). Returns what must agree across ranks."""
         partition, bucket_view, overlap, mixed = options
@@ -177,8 +177,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 bucket_view=bucket_view,
                 **where,
             )
-        summary = (describe(self._optim_constructor), self._partition.value, *options[1:])
-        return describe([summary, *map(describe_group, self.param_groups)])
+        return {
+            "optimizer_class": self._optim_constructor,
+            "partition": self._partition.value,
+            "parameters_as_bucket_view": bucket_view,
+            "overlap_with_ddp": overlap,
+            "allow_mixed_dtypes": mixed,
+            "param_groups": [group_fields(g) for g in self.param_groups],
+        }
 
     @property
     def optim(self) -> Any:
@@ -263,13 +269,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with on_device(self._default_device):
             self._backend.add_group(self.param_groups)
 
-    def _add_locally(self, param_group: dict[str, Any]) -> tuple[None, str]:
+    def _add_locally(self, param_group: dict[str, Any]) -> tuple[None, dict[str, Any]]:
         """add_param_group's local part: checks, then torch's (which fills the defaults)."""
         new = group_params(param_group, len(self.param_groups))
         check_param_types(self._all_params + new, allow_mixed_dtypes=self._allow_mixed_dtypes)
         super().add_param_group(param_group)
         self._backend.prepare(self.param_groups[-1])
-        return None, describe([len(self.param_groups), describe_group(self.param_groups[-1])])
+        added = group_fields(self.param_groups[-1])
+        return None, {"param_groups": len(self.param_groups), "added param group": added}
 
     # -- torch's partition attributes ----------------------------------------------------------
 
@@ -429,7 +436,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self.process_group
 
 
-def _checked_rank(to: Any, world_size: int) -> tuple[None, Any]:
+def _checked_rank(to: Any, world_size: int) -> tuple[None, dict[str, Any]]:
     """consolidate_state_dict's local check, and what must agree: ``to``."""
     check_rank("consolidate_state_dict", "to", to, world_size)
-    return None, to
+    return None, {"to": to}

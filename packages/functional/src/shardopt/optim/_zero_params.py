@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -18,7 +18,7 @@ __all__ = [
     "check_options",
     "check_param_types",
     "check_rank",
-    "describe_group",
+    "group_fields",
     "on_device",
     "read_params",
 ]
@@ -61,29 +61,36 @@ def agreed(
 ) -> T:
     """``check()``'s result once every rank of ``group`` passed its checks with equal inputs.
 
-    ``check`` returns ``(result, what must agree)``; any exception it raises is held until the
-    agreement, then raised on this rank while the others raise a ValueError naming it. The
-    agreement runs on ``device()`` (asked after ``check``; None: the current device).
+    ``check`` returns ``(result, what must agree)``, the latter a mapping of named values (nested
+    mappings and lists), so that a difference is named ([Note: naming what differs]); any
+    exception it raises is held until the agreement, then raised on this rank while the others
+    raise a ValueError naming it. The agreement runs on ``device()`` (asked after ``check``;
+    None: the current device).
     """
     result: Any = None
     failure: BaseException | None = None
-    print_ = 0
+    print_, summary = 0, cast(Any, {})
     try:
         result, summary = check()
-        print_ = fingerprint(None, summary)
+        print_ = fingerprint(None, describe(summary))
     except Exception as exc:  # raised below, on this rank, after the agreement
         failure = exc
     where = device()
     with on_device(where) if where is not None else contextlib.nullcontext():
-        agree_across_ranks(api, failure, print_, group)
+        agree_across_ranks(api, failure, print_, group, lambda: summary)
     return result
 
 
-def describe_group(group: Mapping[str, Any]) -> str:
+def group_fields(group: Mapping[str, Any]) -> dict[str, Any]:
     """A param group as it must agree: every hyperparameter, and per parameter its shape, dtype
-    and device type (not the index: rank r may use cuda:r)."""
-    params = [(tuple(p.shape), str(p.dtype), p.device.type) for p in group["params"]]
-    return describe({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    and device type (not the index: rank r may use cuda:r).
+
+    Example:
+        >>> group_fields({"params": [torch.zeros(2, 3)], "lr": 0.1})
+        {'lr': 0.1, 'params': ['(2, 3) float32 cpu']}
+    """
+    params = [f"{tuple(p.shape)} {_name(p.dtype)} {p.device.type}" for p in group["params"]]
+    return {**{k: v for k, v in group.items() if k != "params"}, "params": params}
 
 
 def _kind(value: object) -> str:

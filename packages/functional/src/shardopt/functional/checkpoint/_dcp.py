@@ -43,7 +43,7 @@ from shardopt.functional.engine._failure import (
 )
 from shardopt.functional.engine._mesh import GlobalPlace, mesh_groups
 from shardopt.functional.engine._rooted import broadcast_from
-from shardopt.functional.engine._validate import agree_across_ranks, fingerprint
+from shardopt.functional.engine._validate import agree_across_ranks, fingerprint, plan_fields
 
 __all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 
@@ -267,7 +267,13 @@ def save_checkpoint(
     error = _common_checks(state, keys, extra)
     if error is None and rank == 0 and _published(target) is not None and not overwrite:
         error = f"a path that does not exist (or overwrite=True), got {target!r}"
-    agree_across_ranks(api, error, fingerprint(plan, (target, key_of)), group)
+    agree_across_ranks(
+        api,
+        error,
+        fingerprint(plan, (target, key_of)),
+        group,
+        lambda: {"path": target, "param keys": key_of, "plan": plan_fields(plan)},
+    )
     token = _shared_token(group)
     tmp = f"{target}.tmp-{token:016x}"
     slots = piece_slots(state.layout)
@@ -395,7 +401,13 @@ def load_checkpoint(
             hyperparams = hyperparam_placeholders(state, saved)
     if error is None:
         error = _fresh_where_absent(state, keys, key_of, present)
-    agree_across_ranks(api, error, fingerprint(plan, (asked, key_of)), group)
+    agree_across_ranks(
+        api,
+        error,
+        fingerprint(plan, (asked, key_of)),
+        group,
+        lambda: {"saved keys": asked, "param keys": key_of, "plan": plan_fields(plan)},
+    )
     if hyperparams:  # the same keys on every rank (same checkpoint, same transformation)
         hyper_sd = {OPTIM_KEY: {"hyperparams": hyperparams}}
         dcp.load(hyper_sd, storage_reader=FileSystemReader(source), process_group=group)

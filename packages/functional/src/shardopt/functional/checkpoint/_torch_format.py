@@ -26,7 +26,12 @@ from shardopt.functional.checkpoint._consolidate import (
 )
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._failure import fails_together
-from shardopt.functional.engine._validate import agree_across_ranks, describe, fingerprint
+from shardopt.functional.engine._validate import (
+    agree_across_ranks,
+    describe,
+    fingerprint,
+    plan_fields,
+)
 
 __all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
 
@@ -107,7 +112,13 @@ def consolidate_state_dict(
     except ValueError as exc:
         failure = exc
     print_ = 0 if failure else fingerprint(plan, describe((to, key_of, groups)))
-    agree_across_ranks(api, failure, print_, group)
+    agree_across_ranks(
+        api,
+        failure,
+        print_,
+        group,
+        lambda: {"to": to, "param keys": key_of, "param_groups": groups, "plan": plan_fields(plan)},
+    )
     scalars = gather_scalars(state, keys, to, group)
     codes = merge_codes(local, group) if keys.shaped else local
     entries = empty_entries(state, keys, scalars, codes, comm_device(group)) if rank == to else None

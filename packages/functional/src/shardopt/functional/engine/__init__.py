@@ -64,6 +64,7 @@ from shardopt.functional.engine._validate import (
     agree_across_ranks,
     describe,
     fingerprint,
+    plan_fields,
     ranks_with,
 )
 
@@ -133,6 +134,7 @@ __all__ = [
     "mesh_groups",
     "piece_slots",
     "piece_value",
+    "plan_fields",
     "probe_fields",
     "ranks_with",
     "resolve_group",

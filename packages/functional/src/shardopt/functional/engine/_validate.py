@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardopt.core import Plan
 from shardopt.core.blocks import needs_whole_tensors
@@ -20,6 +21,9 @@ __all__ = [
     "check_params",
     "describe",
     "fingerprint",
+    "first_difference",
+    "named_fields",
+    "plan_fields",
     "probe_updates",
 ]
 
@@ -103,6 +107,14 @@ def check_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     return None
 
 
+def plan_fields(plan: Plan) -> dict[str, Any]:
+    """``plan.to_dict()`` with devices by type, as :meth:`Plan.fingerprint` hashes it."""
+    data = plan.to_dict()
+    for record in (*data["tensors"], *data["groups"]):
+        record["device"] = record["device"].split(":")[0]
+    return data
+
+
 def fingerprint(plan: Plan | None, extra: Any) -> int:
     """A 63-bit hash of ``plan.fingerprint()`` (device indices dropped; none without a plan) and
     of ``repr(extra)``.
@@ -161,14 +173,21 @@ def probe_updates(tx: Any, dtypes: Sequence[torch.dtype]) -> str:
 
 
 def agree_across_ranks(
-    api: str, error: str | BaseException | None, print_: int, group: ProcessGroup
+    api: str,
+    error: str | BaseException | None,
+    print_: int,
+    group: ProcessGroup,
+    fields: Callable[[], Any] | None = None,
 ) -> None:
     """Raises on every rank if any rank has an ``error`` or another fingerprint.
 
     A rank's own ``error`` is raised there (an exception as it is, prefixed with ``api`` where
     its message does not name it; a message as a ValueError ``"{api}: expected {error}"``); the
     other ranks raise a ValueError naming the failed ranks.
-    One all-gather of two int64 per rank (see [Note: cross-rank validation]).
+    One all-gather of two int64 per rank (see [Note: cross-rank validation]). Where the
+    fingerprints differ, ``fields()`` (what was fingerprinted, as nested mappings and lists) is
+    exchanged once more and the error names the first field that differs, with each rank's
+    value (see [Note: naming what differs]).
     """
     row = torch.tensor([0 if error is None else 1, print_], dtype=torch.int64)
     rows = all_gather_rows(row.to(comm_device(group)), group=group).cpu()
@@ -186,12 +205,65 @@ def agree_across_ranks(
         )
     prints = rows[:, 1].tolist()
     if len(set(prints)) > 1:
+        got = f"fingerprints {prints} (one per rank)"
+        if fields is not None:
+            got = first_difference(fields(), group) or got
         raise raised_on_every_rank(
             ValueError(
                 f"{api}: expected the same parameters, plan, options and optimizer state "
-                f"structure on every rank, got fingerprints {prints} (one per rank)"
+                f"structure on every rank, got {got}"
             )
         )
+
+
+# [Note: naming what differs]
+# The agreement exchanges one hash per rank; when the hashes differ it costs nothing to spend a
+# second exchange on saying why (every rank is on the failure path together, by the first one):
+# each rank flattens what it fingerprinted into named fields (``param_groups[0].lr``,
+# ``plan.tensors[3].shape``, ``to``), spelled by ``describe``, all ranks gather them
+# (``all_gather_object``, on this path only), and the first field in order whose value is not
+# the same everywhere is named with each rank's value: ``param_groups[0].lr: rank 0 0.1, rank 1
+# 0.2``. A field some ranks lack shows as ``(none)`` there.
+
+
+def named_fields(value: Any, prefix: str = "") -> dict[str, str]:
+    """``value`` (mappings and lists, nested) as {dotted path: ``describe`` of the leaf}; a list
+    of ints (a shape) is a leaf.
+
+    Example:
+        >>> named_fields({"to": 0, "param_groups": [{"lr": 0.1, "params": ["(2, 3) float32"]}]})
+        {'to': '0', 'param_groups[0].lr': '0.1', 'param_groups[0].params[0]': "'(2, 3) float32'"}
+    """
+    if isinstance(value, Mapping):
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            out.update(named_fields(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, list) and not all(type(v) is int for v in value):  # (a shape: a leaf)
+        out = {}
+        for i, v in enumerate(value):
+            out.update(named_fields(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: describe(value)}
+
+
+def first_difference(value: Any, group: ProcessGroup) -> str | None:
+    """The first named field of ``value`` that differs across the ranks of ``group``, with each
+    rank's value; None if none does. Collective (one ``all_gather_object``)."""
+    mine = named_fields(value)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    names = list(dict.fromkeys(n for fields in every for n in fields))
+    for name in names:
+        values = [fields.get(name, "(none)") for fields in every]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r} {_short(v)}" for r, v in enumerate(values))
+            return f"{name}: {shown}"
+    return None
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def ranks_with(flag: bool, group: ProcessGroup = None) -> list[int]:
