@@ -29,12 +29,12 @@ def test_launch_reports_a_rank_that_died_without_a_word_as_the_root_cause(no_lea
 
 def test_launch_stops_every_rank_after_the_timeout(no_leaks):
     # The deadline counts from the launch, rendezvous and gloo's connection included: under a
-    # loaded ``pytest -n auto`` on 2 cores, 10 s was once too little for rank 0 (which returns at
-    # once) to start and connect, so it gets 30 s.
+    # loaded ``pytest -n auto`` on 2 cores, rank 0 (which returns at once) may not even have
+    # started within 10 s, and is then named too; rank 1, stuck, always is.
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] still running"):
-        launch(stuck_on_rank_1, 2, timeout=30.0)
-    assert time.monotonic() - start < 90
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] still running"):
+        launch(stuck_on_rank_1, 2, timeout=10.0)
+    assert time.monotonic() - start < 60
 
 
 def test_torchrun_env_is_read_from_torchruns_variables(monkeypatch):
