@@ -322,7 +322,8 @@ def test_a_save_that_fails_on_one_rank_leaves_nothing_at_the_path(run_world, tmp
     ):
         assert error == "CheckpointException", f"rank {rank}"
         assert after_failure == [], f"rank {rank}: left {after_failure}"
-        assert at_end == ["ckpt"], f"rank {rank}: left {at_end}"
+        masked = [re.sub(r"-[0-9a-f]{16}$", "-*", n) for n in at_end]
+        assert masked == ["ckpt", "ckpt.v-*"], f"rank {rank}: left {at_end}"
         assert "save_checkpoint: expected a path that does not exist" in refused or rank != 0
         assert "save_checkpoint: expected valid input on every rank" in refused or rank == 0
 
@@ -387,20 +388,33 @@ def described(name: str, args: tuple[Any, ...]) -> str:
 
 @contextlib.contextmanager
 def crash_at(k: int | str | None, calls: list[str]) -> Iterator[None]:
-    """Records every filesystem rename and removal inside in ``calls``; the ``k``-th (from 0),
-    or the first described as ``k``, and every later one raise Crash instead of running: the
+    """Records every filesystem rename, link and removal inside in ``calls``; the ``k``-th (from
+    0), or the first described as ``k``, and every later one raise Crash instead of running: the
     process died there (None: none does)."""
-    real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree}
+    real = {
+        "rename": os.rename,
+        "replace": os.replace,
+        "rmtree": shutil.rmtree,
+        "symlink": os.symlink,
+        "unlink": os.unlink,
+    }
     dead = False
+    removing = False  # inside an rmtree: its own unlinks are part of that one call
 
     def wrap(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal dead
+            nonlocal dead, removing
+            if removing:
+                return real[name](*args, **kwargs)
             calls.append(described(name, args))
             dead = dead or k in (len(calls) - 1, calls[-1])
             if dead:
                 raise Crash(calls[-1])
-            return real[name](*args, **kwargs)
+            removing = name == "rmtree"
+            try:
+                return real[name](*args, **kwargs)
+            finally:
+                removing = False
 
         return call
 
@@ -408,6 +422,8 @@ def crash_at(k: int | str | None, calls: list[str]) -> Iterator[None]:
         mock.patch("os.rename", wrap("rename")),
         mock.patch("os.replace", wrap("replace")),
         mock.patch("shutil.rmtree", wrap("rmtree")),
+        mock.patch("os.symlink", wrap("symlink")),
+        mock.patch("os.unlink", wrap("unlink")),
     ):
         yield
 
@@ -454,13 +470,45 @@ def same(a: Any, b: Any) -> bool:
 
 
 def which(sharded: Any, params: list[torch.Tensor], path: str, candidates: dict[str, Any]) -> str:
-    """The name of the candidate state that ``load_checkpoint`` restores from ``path``."""
+    """The name of the candidate state that ``load_checkpoint`` restores from ``path``, if
+    ``torch.distributed.checkpoint`` reads ``path`` itself as the same checkpoint too."""
     got = sharded.init([torch.zeros_like(p) for p in params])
     try:
         load_checkpoint(got, path, names=NAMES)
     except ValueError as exc:
         return f"nothing ({exc})"
-    return next((name for name, s in candidates.items() if same(got, s)), "another state")
+    name = next((name for name, s in candidates.items() if same(got, s)), "another state")
+    return name if read_by_dcp(path, got) else f"{name}, but not by DCP at the path"
+
+
+def read_by_dcp(path: str, state: Any) -> bool:
+    """Whether DCP's own reader, pointed at ``path``, finds a complete checkpoint holding every
+    state tensor of ``state`` (one rank: the sharded state is the whole state)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(os.path.dirname(path), "dcp-read.pt")
+    try:
+        dcp_to_torch_save(path, out)
+        read = _tensors(torch.load(out, weights_only=False))
+    except (Exception, torch.distributed.checkpoint.CheckpointException):  # (a BaseException)
+        return False
+    finally:
+        if os.path.exists(out):
+            os.remove(out)
+    expected = [t for t in _tensors(consolidate_state_dict(state)["state"]) if t.dim() > 0]
+    return bool(expected) and all(
+        any(r.shape == t.shape and torch.equal(r, t) for r in read) for t in expected
+    )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def crashed_save(path: str, state: Any, k: int | str) -> None:
@@ -469,15 +517,23 @@ def crashed_save(path: str, state: Any, k: int | str) -> None:
 
 
 def seed_leftovers(path: str, stale: Any) -> None:
-    """What crashes leave beside ``path``: a superseded ``.old-*`` (a crash in a publish's
-    cleanup), here holding ``stale``, and a partial ``.tmp-*`` (a crash mid-write)."""
-    save_checkpoint(stale, f"{path}.old-{0xA:016x}", names=NAMES)
+    """What crashes leave beside ``path``: a partial ``.v-*`` (a crash mid-write) and a
+    ``.link-*`` to it (a crash before the commit); and what an older shardopt's crashes left: a
+    superseded ``.old-*``, here holding ``stale``, and a partial ``.tmp-*``."""
+    os.mkdir(f"{path}.v-{0xC:016x}")
+    os.symlink(f"{os.path.basename(path)}.v-{0xC:016x}", f"{path}.link-{0xD:016x}")
+    legacy = f"{path}-legacy"  # an older shardopt's plain directory, moved aside
+    save_checkpoint(stale, legacy, names=NAMES)
+    os.rename(os.path.realpath(legacy), f"{path}.old-{0xA:016x}")
+    os.unlink(legacy)
     os.mkdir(f"{path}.tmp-{0xB:016x}")
 
 
 def beside(path: str) -> list[str]:
+    """What is beside ``path`` but the version it points to."""
     parent, base = os.path.split(path)
-    return sorted(n for n in os.listdir(parent) if n.startswith(f"{base}."))
+    current = os.path.basename(os.path.realpath(path))
+    return sorted(n for n in os.listdir(parent) if n.startswith(f"{base}.") and n != current)
 
 
 def crash_once(sharded: Any, params: Any, s: list[Any], path: str, k: int) -> tuple[str, ...]:
@@ -538,15 +594,18 @@ def crashes(tmp_path_factory) -> dict[str, Any]:
     return spawn(crash_scenarios, 1, root, backend="gloo", timeout=120.0)[0]
 
 
-# The publish of [Note: atomic checkpoints] over a checkpoint with a superseded .old-* and a
-# crashed save's .tmp-* beside it: per step, its filesystem call and what loads after a crash
-# there (the call raising instead of running; "commit" is the commit point).
+# The publish of [Note: atomic checkpoints] over a checkpoint with every kind of leftover beside
+# it: per step, its filesystem call and what loads after a crash there (the call raising instead
+# of running; "commit" is the commit point). The crashed save's version sorts before the
+# superseded one (its token is 0...0c).
 PUBLISH = {
-    "remove-superseded-old": ("rmtree ckpt.old-*", "old"),
-    "move-old-aside": ("rename ckpt -> ckpt.old-*", "old"),
-    "commit": ("rename ckpt.tmp-* -> ckpt", "old"),
-    "remove-old": ("rmtree ckpt.old-*", "new"),
-    "remove-crashed-tmp": ("rmtree ckpt.tmp-*", "new"),
+    "link-to-the-new-version": ("symlink ckpt.v-* -> ckpt.link-*", "old"),
+    "commit": ("replace ckpt.link-* -> ckpt", "old"),
+    "remove-crashed-link": ("unlink ckpt.link-*", "new"),
+    "remove-older-shardopts-old": ("rmtree ckpt.old-*", "new"),
+    "remove-older-shardopts-tmp": ("rmtree ckpt.tmp-*", "new"),
+    "remove-crashed-version": ("rmtree ckpt.v-*", "new"),
+    "remove-superseded-version": ("rmtree ckpt.v-*", "new"),
 }
 
 
@@ -621,16 +680,44 @@ def crashed_saves_then_one(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def test_the_next_save_removes_the_leftovers_of_crashed_saves_and_nothing_else(run_world, tmp_path):
-    """The crash at the commit leaves nothing at the path: the one .old-* still loads and
-    counts as an existing checkpoint."""
+    """A crash in DCP's writes leaves a partial version, one at the commit a complete version
+    and its link: the path still holds the old checkpoint, and counts as existing."""
     r = run_world(crashed_saves_then_one, 1, str(tmp_path))[0]
     leftovers = [n for n in r["after_crashes"] if n not in NOT_LEFTOVERS]
     assert [re.sub(r"-[0-9a-f]{16}$", "-*", n) for n in leftovers] == [
-        "ckpt.old-*",
-        "ckpt.tmp-*",
-        "ckpt.tmp-*",
+        "ckpt",
+        "ckpt.link-*",
+        "ckpt.v-*",
+        "ckpt.v-*",
+        "ckpt.v-*",
     ]
     assert r["loads"] == "s0"
     assert "save_checkpoint: expected a path that does not exist" in r["refused"]
-    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *NOT_LEFTOVERS])
+    left = [n for n in os.listdir(tmp_path) if n not in NOT_LEFTOVERS]
+    assert sorted(re.sub(r"-[0-9a-f]{16}$", "-*", n) for n in left) == ["ckpt", "ckpt.v-*"]
+    assert set(NOT_LEFTOVERS) <= set(os.listdir(tmp_path))
     assert r["then"] == "s1"
+
+
+def over_a_plain_directory(rank: int, world: int, root: str) -> tuple[str, str, list[str]]:
+    """An older shardopt's checkpoint (a plain directory at the path), saved over with a crash
+    right after it was moved aside; then a good save."""
+    sharded, params, s = three_states()
+    path = os.path.join(root, "ckpt")
+    save_checkpoint(s[0], f"{path}-made", names=NAMES)
+    os.rename(os.path.realpath(f"{path}-made"), path)
+    os.unlink(f"{path}-made")
+    crashed_save(path, s[1], "symlink ckpt.v-* -> ckpt.link-*")
+    during = which(sharded, params, path, {"s0": s[0]})
+    save_checkpoint(s[2], path, names=NAMES, overwrite=True)
+    return during, which(sharded, params, path, {"s2": s[2]}), beside(path)
+
+
+def test_a_plain_directory_of_an_older_shardopt_is_replaced_by_a_pointer(run_world, tmp_path):
+    """Its one moment without anything at the path (moved aside to .old-*) still loads with
+    load_checkpoint, not with DCP at the path; the next save leaves the pointer alone."""
+    during, after, left = run_world(over_a_plain_directory, 1, str(tmp_path))[0]
+    assert during == "s0, but not by DCP at the path"
+    assert after == "s2"
+    assert left == []
+    assert os.path.islink(tmp_path / "ckpt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -53,29 +54,26 @@ HYPERPARAMS = f"{OPTIM_KEY}.hyperparams."  # [Note: hyperparameters of a sharded
 # [Note: atomic checkpoints]
 # DCP writes a directory file by file, its ``.metadata`` last (on the coordinator, once every
 # rank's writes are done): a crash mid-way would leave a directory that looks like a checkpoint.
-# So every rank writes into ``<path>.tmp-<token>`` (``token``: 16 hex digits drawn on rank 0 and
-# broadcast). After ``dcp.save`` returned everywhere and a barrier, rank 0 alone publishes, with
-# no collective until it is done, cleanup included (a peer dying meanwhile cannot stop it):
-#   1. if anything is at ``path``: remove every ``<path>.old-*`` (superseded by ``path``; if one
-#      cannot be removed, the save fails here), then rename ``path`` to ``<path>.old-<token>``;
-#   2. rename ``<path>.tmp-<token>`` to ``path``: the commit point;
-#   3. remove every leftover: each ``<path>.old-*``, and each ``<path>.tmp-*`` of crashed saves.
-# Leftovers are the names ``<path>.old-<16 hex>`` and ``<path>.tmp-<16 hex>`` (``_leftovers``),
-# never ``path`` nor any other name. Invariant: when nothing is at ``path``, exactly one
-# ``.old-*`` exists, and it is the last published checkpoint, complete. For only step 1's rename
-# empties ``path`` or makes an ``.old-*``, once every other ``.old-*`` is gone, and nothing
-# removes an ``.old-*`` until step 2 has refilled ``path``. So the published checkpoint is
-# ``path``, else that ``.old-*`` (``_published``): ``load_checkpoint`` reads it there, and
-# ``save_checkpoint`` counts it as existing. Hence at every crash point it is the old or the new:
-#   - in ``dcp.save``, or in step 1 before its rename: the old one, at ``path`` (a removal cut
-#     short leaves a superseded partial ``.old-*`` beside it);
-#   - between the two renames: the old one, in the one ``.old-*``;
-#   - from step 2's rename on (it is atomic): the new one, at ``path``.
-# The next save removes what a crash left: superseded ``.old-*`` in its step 1, everything in its
-# step 3. Except between the renames, ``path`` is a plain DCP directory (``dcp.load`` reads it).
-# A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP gathers the
-# results); rank 0 then removes the temporary directory, so ``path`` is untouched. Rank 0
-# broadcasts whether the publish succeeded, so every rank returns or raises alike.
+# So ``path`` is a pointer: a symbolic link to a versioned directory beside it,
+# ``<path>.v-<token>`` (``token``: 16 hex digits drawn on rank 0 and broadcast), which is where
+# every rank writes. After ``dcp.save`` returned everywhere and a barrier, rank 0 alone
+# publishes, with no collective until it is done, cleanup included (a peer dying meanwhile
+# cannot stop it):
+#   1. make a link ``<path>.link-<token>`` to the new version and ``os.replace`` ``path`` with
+#      it: the commit point (a rename over a link is atomic);
+#   2. remove every leftover: each ``<path>.v-*`` but the one ``path`` now points to, each
+#      ``<path>.link-*``, and what older saves left (``<path>.tmp-*``, ``<path>.old-*``).
+# Leftovers are those names with 16 hex digits (``_leftovers``), never ``path`` nor any other
+# name. Invariant: ``path`` is always a complete checkpoint once one was published: before the
+# commit it points to the old version, which nothing removes before the commit; after it, to
+# the new one, complete before the commit. So at every crash point ``path`` itself is the old or
+# the new checkpoint, and ``torch.distributed.checkpoint.load`` (any tool) reads it directly
+# (the link resolves to a plain DCP directory). A checkpoint that an older shardopt published as
+# a plain directory at ``path`` is first renamed to ``<path>.old-<token>`` (the one moment
+# ``path`` is absent; ``_published`` then finds it there). The next save removes what a crash
+# left. A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP gathers the
+# results); rank 0 then removes the new version, so ``path`` is untouched. Rank 0 broadcasts
+# whether the publish succeeded, so every rank returns or raises alike.
 
 
 def _places(state: ShardedState) -> Sequence[GlobalPlace | None]:
@@ -173,20 +171,27 @@ def _agree_on_rank0(api: str, error: BaseException | None, group: ProcessGroup) 
         raise RuntimeError(f"{api}: rank 0 failed to move the checkpoint into place")
 
 
-def _publish(tmp: str, target: str, token: int) -> None:
-    """Steps 1-3 of [Note: atomic checkpoints], on rank 0."""
-    if os.path.lexists(target):
+def _publish(version: str, target: str, token: int) -> None:
+    """Steps 1-2 of [Note: atomic checkpoints], on rank 0."""
+    if os.path.isdir(target) and not os.path.islink(target):  # published by an older shardopt
         for old in _leftovers(target, "old"):
             shutil.rmtree(old)  # must succeed: one .old-* at most while nothing is at target
         os.rename(target, f"{target}.old-{token:016x}")
-    os.rename(tmp, target)
+    link = f"{target}.link-{token:016x}"
+    os.symlink(os.path.basename(version), link)
+    os.replace(link, target)
+    current = os.path.realpath(target)
     for leftover in _leftovers(target):
-        shutil.rmtree(leftover, ignore_errors=True)
+        if os.path.islink(leftover):  # a crashed save's link: never the pointer itself
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+        elif os.path.realpath(leftover) != current:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _leftovers(target: str, kind: str = "tmp|old") -> list[str]:
-    """The ``<target>.tmp-<token>`` and ``<target>.old-<token>`` directories beside ``target``
-    (of ``kind``), sorted."""
+def _leftovers(target: str, kind: str = "v|link|tmp|old") -> list[str]:
+    """The ``<target>.<kind>-<16 hex>`` names beside ``target`` (see [Note: atomic checkpoints]),
+    sorted."""
     parent, base = os.path.split(target)
     pattern = re.compile(re.escape(base) + rf"\.({kind})-[0-9a-f]{{16}}")
     try:
@@ -197,9 +202,9 @@ def _leftovers(target: str, kind: str = "tmp|old") -> list[str]:
 
 
 def _published(target: str) -> str | None:
-    """Where the checkpoint published at ``target`` is: ``target``, or the one ``.old-*`` a
-    crash between steps 1 and 2 of [Note: atomic checkpoints] left; None if there is none."""
-    if os.path.lexists(target):
+    """Where the checkpoint published at ``target`` is: ``target``, or the one ``.old-*`` a crash
+    while replacing an older shardopt's directory left; None if there is none."""
+    if os.path.exists(target):
         return target
     olds = _leftovers(target, "old")
     return olds[0] if len(olds) == 1 else None
@@ -275,7 +280,7 @@ def save_checkpoint(
         lambda: {"path": target, "param keys": key_of, "plan": plan_fields(plan)},
     )
     token = _shared_token(group)
-    tmp = f"{target}.tmp-{token:016x}"
+    tmp = f"{target}.v-{token:016x}"  # the new version ([Note: atomic checkpoints])
     slots = piece_slots(state.layout)
 
     def present(t: int, k: int) -> bool:
