@@ -390,7 +390,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Raises:
             RuntimeError: the state was not consolidated on this rank.
         """
-        state = self._saved.state(not self.optim.state, self._starts_stateless)
+        state = self._saved.state(lambda: not self.optim.state, self._starts_stateless)
         self.wait_params()
         out = Optimizer.state_dict(self)
         out["state"] = state

@@ -76,6 +76,8 @@ class GreedyBackend:
         copy_hyperparameters(self.optim.param_groups, param_groups)
         self.params: list[torch.Tensor] = []
         self.sync_layout: FlatLayout | None = None  # the engine's layout, set by start
+        self._index: dict[torch.Tensor, int] = {}  # parameter -> plan tensor (set by start)
+        self._owners: dict[torch.Tensor, int] = {}  # parameter -> its owner (set by start)
 
     def prepare(self, group: dict[str, Any]) -> None:
         """Nothing to check beyond torch's own (the local optimizer's constructor)."""
@@ -85,6 +87,8 @@ class GreedyBackend:
         if self.sync_layout is not None:
             self.sync_layout.wait_params()
         self.params = [p for g in param_groups for p in g["params"]]
+        self._index = {p: t for t, p in enumerate(self.params)}
+        self._owners = owners(param_groups, [self.plan])
         storage = "flat" if self.bucket_view else "staged"  # [Note: parameter storage]
         self.sync_layout = build_layout(
             self.plan, self.params, self.rank, group=self.group, storage=storage
@@ -123,7 +127,7 @@ class GreedyBackend:
 
     def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
         """``optim.step`` over those of ``params`` this rank owns that have a gradient."""
-        to_rank = self.owners(param_groups)
+        to_rank = self._owners
         mine = {id(p) for p in params if to_rank.get(p) == self.rank and p.grad is not None}
         if mine:
             copy_hyperparameters(param_groups, self.optim.param_groups)
@@ -133,7 +137,7 @@ class GreedyBackend:
     def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Pending]:
         """Starts (and unless ``async_op`` waits for) the sync of ``params`` from their owners."""
         assert self.sync_layout is not None
-        index = {p: t for t, p in enumerate(self.params)}
+        index = self._index
         tensors = []
         for i, p in enumerate(params):
             if p not in index:
@@ -179,7 +183,7 @@ class GreedyBackend:
 
     def owners(self, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, int]:
         """Parameter -> its owner in the plan."""
-        return owners(param_groups, [self.plan])
+        return dict(self._owners)
 
     def consolidate(
         self, param_groups: list[dict[str, Any]], index: dict[torch.Tensor, int], *, to: int

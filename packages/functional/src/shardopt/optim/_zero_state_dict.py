@@ -101,15 +101,16 @@ class SavedState:
         self.pristine = self.pristine and not loaded_state
         self.saving_on = None
 
-    def state(self, empty_here: bool, stateless: Callable[[], bool]) -> Any:
+    def state(self, empty_here: Callable[[], bool], stateless: Callable[[], bool]) -> Any:
         """The "state" of ``state_dict()``: the consolidated one, a StateElsewhere, or an empty
-        one where nothing needs gathering (``empty_here``: no local state; ``stateless``: the
-        class makes no state at construction); raises where none of these holds."""
+        one where nothing needs gathering (``empty_here()``: no local state; ``stateless()``: the
+        class makes no state at construction; each asked only if needed); raises where none of
+        these holds."""
         if self.consolidated is not None:
             return dict(sorted(self.consolidated.items()))
         if self.saving_on is not None:
             return StateElsewhere(self.rank, self.saving_on)
-        if self.pristine and empty_here and stateless():
+        if self.pristine and empty_here() and stateless():
             return {}
         raise RuntimeError(
             f"{API}.state_dict: expected the optimizer state consolidated on this rank, got "

@@ -61,6 +61,9 @@ class RankFailedError(RuntimeError):
             "group can no longer be used: end every process and restart from a checkpoint"
         )
 
+    def __reduce__(self) -> tuple[Any, tuple[int, str, str]]:
+        return type(self), (self.rank, self.api, self.error)  # pickles (a process's report)
+
 
 def raised_on_every_rank(exc: BaseException) -> BaseException:
     """Marks ``exc`` as raised on every rank together (never published); returns it."""
