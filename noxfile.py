@@ -174,6 +174,7 @@ def bench(session: nox.Session) -> None:
         "bench_iteration_floor.py",
         "bench_state_dtype.py",
         "bench_muon_balance.py",
+        "bench_fail_fast.py",
     ):
         session.run(python, f"benchmarks/{script}", env=env, external=True)
     shardopt = os.path.join(bin_dir, "shardopt")

@@ -115,17 +115,20 @@ def _withdraw() -> None:
             store.delete_key(KEY)
 
 
-def _peer_failure() -> dict[str, Any] | None:
-    """Another rank's published failure, once seen on two consecutive looks."""
+def _published_by_another() -> dict[str, Any] | None:
+    """The failure record in the store if another rank published it."""
     store = _store()
     if store is None or not store.check([KEY]):
-        _state["seen"] = None
         return None
     record = json.loads(store.get(KEY))
-    if record["rank"] == dist.get_rank():
-        return None
+    return None if record["rank"] == dist.get_rank() else record
+
+
+def _peer_failure() -> dict[str, Any] | None:
+    """Another rank's published failure, once seen on two consecutive looks."""
+    record = _published_by_another()
     seen, _state["seen"] = _state["seen"], record
-    return record if seen == record else None
+    return record if record is not None and seen == record else None
 
 
 def _waiting_key(rank: int) -> str:
@@ -197,12 +200,8 @@ def completed(work: Any) -> None:
 
 def _peer_failure_now() -> dict[str, Any] | None:
     """Another rank's published failure, looked for at once (a collective that broke)."""
-    time.sleep(0.05)
-    store = _store()
-    if store is None or not store.check([KEY]):
-        return None
-    record = json.loads(store.get(KEY))
-    return None if record["rank"] == dist.get_rank() else record
+    time.sleep(0.05)  # the failing rank publishes before its exit breaks the connection
+    return _published_by_another()
 
 
 def fails_together(api: str) -> Callable[[F], F]:
