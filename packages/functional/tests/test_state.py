@@ -168,3 +168,34 @@ def test_bfloat16_state_holds_half_the_bytes_and_trains_as_torch_with_rounded_st
         assert 2 * nbytes == wide_bytes
         for p, e in zip(params, expected):
             torch.testing.assert_close(p, e, rtol=1e-4, atol=1e-5)
+
+
+def labelled(rank: int, world: int, rule: str) -> Any:
+    """A partition over a flat plan that cuts a 10-element tensor 8 + 2 between two ranks."""
+    from shardopt.core import partition
+    from shardopt.functional import shard
+
+    params = [torch.zeros(10), torch.zeros(6)]
+    by = {
+        "dim": lambda ps: ["a" if p.dim() == 1 else "b" for p in ps],
+        "numel": lambda ps: ["a" if p.numel() > 4 else "b" for p in ps],
+    }[rule]
+    tx = partition({"a": sgd(0.1), "b": adam(0.1)}, by)
+    try:
+        state = shard(tx, plan_partition(params, world, align=1)).init(params)
+    except ValueError as exc:
+        return str(exc)
+    assert state.labels is not None
+    return state.labels.of_tensor, sorted(state.labels.fields["b"])
+
+
+def test_a_partition_records_every_tensors_label_on_every_rank(run_world):
+    for labels, fields in run_world(labelled, 2, "dim"):
+        assert labels == ("a", "a")
+        assert fields == ["[0].count", "[0].mu", "[0].nu"]
+
+
+def test_pieces_of_one_tensor_under_two_labels_are_refused_on_every_rank(run_world):
+    for message in run_world(labelled, 2, "numel"):
+        assert message.startswith("shard: expected the pieces of each tensor to share one ")
+        assert "tensor 0 labelled 'a' and 'b'" in message

@@ -11,7 +11,15 @@ from torch.utils import _pytree as pytree
 from shardopt.core._base import Transformation, inherit_whole_tensors, needs_whole_tensors
 from shardopt.core._tree import PyTree, tree_leaves, tree_structure
 
-__all__ = ["MaskedState", "PartitionState", "masked", "partition", "whole_tensor_mask"]
+__all__ = [
+    "MaskedState",
+    "PartitionState",
+    "masked",
+    "PartitionRule",
+    "partition",
+    "partition_rule",
+    "whole_tensor_mask",
+]
 
 LeafSpec = PyTree | Callable[[PyTree], PyTree]
 
@@ -156,14 +164,19 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
     if not txs:
         raise ValueError("partition: expected at least one transformation, got none")
 
-    def groups_of(reference: PyTree) -> dict[Hashable, list[int]]:
-        groups: dict[Hashable, list[int]] = {label: [] for label in txs}
-        for i, label in enumerate(_resolve("partition", "labels", labels, reference)):
-            if label not in groups:
+    def labels_of(reference: PyTree) -> list[Hashable]:
+        out = _resolve("partition", "labels", labels, reference)
+        for i, label in enumerate(out):
+            if label not in txs:
                 raise ValueError(
                     f"partition: expected every label to be one of {list(txs)}, got {label!r} "
                     f"at leaf {i}"
                 )
+        return out
+
+    def groups_of(reference: PyTree) -> dict[Hashable, list[int]]:
+        groups: dict[Hashable, list[int]] = {label: [] for label in txs}
+        for i, label in enumerate(labels_of(reference)):
             groups[label].append(i)
         return groups
 
@@ -194,15 +207,22 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
         return pytree.tree_unflatten(out, spec), PartitionState(new_states)
 
     tx = inherit_whole_tensors(Transformation(init, update), txs.values())
-    _PARTITIONS[tx.update] = lambda params: [
-        needs_whole_tensors(txs[label]) for label in _resolve("partition", "labels", labels, params)
-    ]
+    _PARTITIONS[tx.update] = PartitionRule(txs, labels_of)
     return tx
 
 
-# What each leaf of a partition's params is updated by, by the identity of its update (as
-# [Note: whole tensors] marks): leaves -> whether that transformation needs them whole.
-_PARTITIONS: weakref.WeakKeyDictionary[Callable[..., Any], Callable[[PyTree], list[bool]]] = (
+class PartitionRule(NamedTuple):
+    """What :func:`partition` made a transformation of: its transformation per label, in order,
+    and ``labels_of(params)``, the label of each leaf (resolved and checked as its ``init``
+    does)."""
+
+    transforms: dict[Hashable, Transformation]
+    labels_of: Callable[[PyTree], list[Hashable]]
+
+
+# The partitions made here, by the identity of their update (as [Note: whole tensors] marks):
+# what ``whole_tensor_mask`` and ``partition_rule`` read.
+_PARTITIONS: weakref.WeakKeyDictionary[Callable[..., Any], PartitionRule] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -222,5 +242,23 @@ def whole_tensor_mask(tx: Transformation, params: PyTree) -> list[bool]:
     """
     rule = _PARTITIONS.get(tx.update)
     if rule is not None:
-        return rule(params)
+        return [needs_whole_tensors(rule.transforms[x]) for x in rule.labels_of(params)]
     return [needs_whole_tensors(tx)] * len(tree_leaves(params))
+
+
+def partition_rule(tx: Transformation) -> PartitionRule | None:
+    """The :class:`PartitionRule` of ``tx`` if :func:`partition` made it, else None. A sharded
+    state records each plan tensor's label with it, so that its checkpoints keep each label's
+    state as that label's optimizer's.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import adamw, muon
+        >>> labels = lambda ps: ["m" if p.dim() == 2 else "a" for p in ps]
+        >>> rule = partition_rule(partition({"m": muon(), "a": adamw()}, labels))
+        >>> list(rule.transforms), rule.labels_of([torch.zeros(2, 2), torch.zeros(2)])
+        (['m', 'a'], ['m', 'a'])
+        >>> partition_rule(adamw()) is None
+        True
+    """
+    return _PARTITIONS.get(tx.update)

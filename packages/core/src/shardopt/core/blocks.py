@@ -11,7 +11,7 @@ torch compatibility record of every optimizer ([Note: torch compatibility record
 from shardopt.core._adagrad import AdagradHyperparams
 from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tensors
-from shardopt.core._combinators import whole_tensor_mask
+from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
 from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._schedules import resolve
@@ -31,6 +31,7 @@ __all__ = [
     "AdagradHyperparams",
     "AdamHyperparams",
     "FlatRule",
+    "PartitionRule",
     "PyTree",
     "SGDHyperparams",
     "TorchCompat",
@@ -39,6 +40,7 @@ __all__ = [
     "leafwise",
     "local_tensor",
     "needs_whole_tensors",
+    "partition_rule",
     "whole_tensor_mask",
     "resolve",
     "torch_compat",

@@ -18,6 +18,7 @@ from shardopt.functional._state import (
     StepStats,
     flatten_state,
     probe_fields,
+    tensor_labels,
 )
 from shardopt.functional.engine._clip import (
     Health,
@@ -279,13 +280,13 @@ def _init(
     )
     shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(master)]
     views = layout.piece_views(shards)
-    inner, fields, _ = flatten_state(
-        tx.init(shaped(layout, views) if whole else views), layout, probed
-    )
+    presented = shaped(layout, views) if whole else views
+    labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
+    inner, fields, _ = flatten_state(tx.init(presented), layout, probed)
     reducer = None
     if opts.reduces:
         reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)
-    return ShardedState(inner, fields, layout, master, reducer, None)
+    return ShardedState(inner, fields, layout, master, reducer, None, labels)
 
 
 # [Note: whole matrices]

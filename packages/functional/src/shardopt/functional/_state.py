@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from shardopt.core import InjectHyperparamsState, Transformation
+from shardopt.core.blocks import needs_whole_tensors, partition_rule
+from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "FieldKind",
+    "Labels",
     "ShardedState",
     "StateField",
     "StepStats",
@@ -24,6 +28,7 @@ __all__ = [
     "piece_slots",
     "probe_fields",
     "slice_state",
+    "tensor_labels",
     "without_hyperparams",
 ]
 
@@ -54,6 +59,8 @@ __all__ = [
 # - ``reducer``: the gradient reducer (hooks; the gradient shards are the layout's) when the
 #   sharded transformation reduces gradients (stage 2; stage 1 without ``grads_averaged``).
 # - ``stats``: the global gradient norm and whether the last step was skipped (or None).
+# - ``labels``: for a core ``partition``, each plan tensor's label and each label's fields (see
+#   [Note: labels of a sharded partition]), or None.
 #
 # Leaves of ``inner`` outside fields (a transform with a global, not per-parameter, state) stay as
 # they are; they are replicated, never sharded. The hyperparameters of an ``inject_hyperparams``
@@ -91,6 +98,7 @@ class ShardedState(NamedTuple):
     master: tuple[torch.Tensor | None, ...]
     reducer: Any
     stats: StepStats | None
+    labels: Labels | None = None
 
 
 def piece_list_pred(n: int) -> Callable[[Any], bool]:
@@ -272,3 +280,66 @@ def without_hyperparams(inner: Any) -> Any:
         return InjectHyperparamsState({}, without_hyperparams(x.inner)) if _is_injected(x) else x
 
     return pytree.tree_map(strip, inner, is_leaf=_is_injected)
+
+
+# [Note: labels of a sharded partition]
+# A core ``partition`` keeps one inner state per label over the list of that label's leaves, and
+# on a rank the leaves are its pieces: so its per-parameter state is neither in per-piece lists
+# nor in flat fields, and which piece each element of a label's lists belongs to follows from
+# the labels alone. ``init`` records them once (``ShardedState.labels``), the same on every rank:
+# - ``of_tensor``: each plan tensor's label. Each rank resolves the labels of its pieces (the
+#   partition's ``labels_of``, as its own ``init`` did), and one all-reduce of each tensor's
+#   label index (its largest and its negated smallest over every rank's pieces) gives every rank
+#   every tensor's label. The pieces of one tensor must share a label: a rule that labels by more
+#   than a piece's shape and dtype (its numel, say: cut tensors arrive as 1-D slices of several
+#   sizes) is refused on every rank. A tensor without elements has no piece and no label (None).
+# - ``fields``: per label, its state's per-piece fields probed as ``probe_fields`` probes a whole
+#   state (from the plan's dtypes, not the pieces), so every rank knows their kinds and dtypes,
+#   including a rank without a piece of the label.
+# Checkpoints read each label's state as that label's optimizer's, over that label's tensors.
+
+
+class Labels(NamedTuple):
+    """The labels of a sharded partition (see [Note: labels of a sharded partition])."""
+
+    of_tensor: tuple[Hashable | None, ...]
+    fields: dict[Hashable, dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]]]
+
+
+def tensor_labels(
+    tx: Transformation,
+    pieces: Sequence[torch.Tensor],
+    dtypes: Sequence[torch.dtype],
+    layout: FlatLayout,
+    group: ProcessGroup,
+) -> Labels | None:
+    """The :class:`Labels` of ``tx`` over this rank's ``pieces`` if it is a core ``partition``,
+    else None; collective over ``group`` then. ``dtypes``: the pieces' dtype per plan group.
+    Raises ValueError on every rank if the pieces of a tensor differ in label."""
+    rule = partition_rule(tx)
+    if rule is None:
+        return None
+    order = list(rule.transforms)
+    n = len(layout.plan.tensors)
+    codes = torch.full((2, n), -1, dtype=torch.int64)
+    for piece, label in zip(layout.pieces, rule.labels_of(list(pieces))):
+        i = order.index(label)
+        codes[0, piece.tensor] = max(int(codes[0, piece.tensor]), i)
+        codes[1, piece.tensor] = max(int(codes[1, piece.tensor]), -i)
+    merged = codes.to(comm_device(group))
+    if dist.get_world_size(group) > 1:
+        all_reduce_op(merged, dist.ReduceOp.MAX, group=group)
+    high, low = merged.cpu().tolist()
+    split = [t for t in range(n) if high[t] >= 0 and high[t] != -low[t]]
+    if split:
+        t = split[0]
+        raise ValueError(
+            f"shard: expected the pieces of each tensor to share one partition label, got "
+            f"tensor {t} labelled {order[-low[t]]!r} and {order[high[t]]!r} on different pieces "
+            f"(label by the pieces' dim or dtype: cut tensors arrive as 1-D slices)"
+        )
+    fields = {}
+    for label, inner in rule.transforms.items():
+        shape = (2, 3) if needs_whole_tensors(inner) else (2,)
+        fields[label] = probe_fields(inner, [torch.zeros(shape, dtype=d) for d in dtypes])
+    return Labels(tuple(order[i] if i >= 0 else None for i in high), fields)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 from torch.utils import _pytree as pytree
@@ -25,14 +25,18 @@ from shardopt.functional.engine._layout import FlatLayout
 __all__ = [
     "STATE_KEYS",
     "FieldKeys",
+    "ListField",
+    "Field",
     "OptimizerKeys",
     "ShapedState",
     "field_keys",
     "has_state",
+    "keys_of",
     "outside_tensors",
     "piece_slots",
     "piece_value",
     "sanitised_key",
+    "state_keys",
 ]
 
 
@@ -84,6 +88,20 @@ class ShapedState(NamedTuple):
     tensors: tuple[torch.Tensor | None, ...]
 
 
+class ListField(NamedTuple):
+    """A per-parameter field of one label of a sharded partition ([Note: labels of a sharded
+    partition]), left in its label's list: ``tensors[k]`` is piece k's value in the piece's shape
+    (None for a piece of another label); ``dtypes[g]`` its dtype in plan group g."""
+
+    path: str
+    kind: FieldKind
+    tensors: tuple[torch.Tensor | None, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
+Field: TypeAlias = StateField | ListField
+
+
 @dataclass(frozen=True, slots=True)
 class FieldKeys:
     """The checkpoint key of every field of a state, in save order.
@@ -93,15 +111,22 @@ class FieldKeys:
     deciding whether a parameter has state yet (None: every parameter has); ``eager``: every
     parameter has state (Adagrad); ``shaped``: the states outside fields ([Note: shaped
     state]); ``factory``: the core optimizer's, for :meth:`shapes`; ``order``: torch's keys in
-    torch's order.
+    torch's order; ``label`` and ``tensors``: for one label of a partition, the label and its
+    plan tensors (None: every tensor; see [Note: labels of a sharded partition]).
     """
 
-    entries: tuple[tuple[StateField, str, bool], ...]
-    count: StateField | None
+    entries: tuple[tuple[Field, str, bool], ...]
+    count: Field | None
     eager: bool
     shaped: tuple[ShapedState, ...] = ()
     factory: Callable[..., Transformation] | None = None
     order: tuple[str, ...] = ()
+    label: Hashable = None
+    tensors: frozenset[int] | None = None
+
+    def covers(self, t: int) -> bool:
+        """Whether plan tensor ``t``'s state is keyed by these keys."""
+        return self.tensors is None or t in self.tensors
 
     def __post_init__(self) -> None:
         keys = [key for _, key, _ in self.entries] + [s.key for s in self.shaped]
@@ -183,6 +208,82 @@ def field_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> Fi
     return FieldKeys(tuple(entries), None, False)
 
 
+def state_keys(state: ShardedState, api: str, *, torch_only: bool = False) -> tuple[FieldKeys, ...]:
+    """The keys of ``state``: :func:`field_keys`, or for a sharded partition one FieldKeys per
+    label, over that label's tensors (see [Note: labels of a sharded partition]); each label's
+    state must be one core optimizer's (or none), which raises ValueError naming ``api``."""
+    if state.labels is None:
+        return (field_keys(state, api, torch_only=torch_only),)
+    return tuple(_label_keys(state, api, label, torch_only) for label in state.labels.fields)
+
+
+def keys_of(keysets: Sequence[FieldKeys], t: int) -> FieldKeys | None:
+    """The keys of plan tensor ``t``'s state among ``keysets`` (of :func:`state_keys`)."""
+    return next((keys for keys in keysets if keys.covers(t)), None)
+
+
+def _label_keys(state: ShardedState, api: str, label: Hashable, torch_only: bool) -> FieldKeys:
+    labels, pieces = state.labels, state.layout.pieces
+    assert labels is not None
+    sub = state.inner.inner_states[label]
+    mine = [k for k, p in enumerate(pieces) if labels.of_tensor[p.tensor] == label]
+    tensors = frozenset(t for t, x in enumerate(labels.of_tensor) if x == label)
+    lists = {
+        pytree.keystr(p): x
+        for p, x in pytree.tree_flatten_with_path(sub, is_leaf=lambda x: type(x) is list)[0]
+        if type(x) is list and any(isinstance(e, torch.Tensor) for e in x)
+    }
+    known, probed = _known_states(sub), labels.fields[label]
+    prefix = f".inner_states[{label!r}]"
+
+    def expand(values: list[Any]) -> tuple[torch.Tensor | None, ...]:
+        out: list[torch.Tensor | None] = [None] * len(pieces)
+        for k, v in zip(mine, values):
+            out[k] = v
+        return tuple(out)
+
+    def listed(path: str) -> ListField:
+        kind, dtypes = probed[path]
+        return ListField(prefix + path, kind, expand(lists.pop(path, [])), dtypes)
+
+    if len(known) != 1:
+        if torch_only and (known or lists):
+            names = sorted({type(x).__name__ for _, x in known}) or "none"
+            raise ValueError(
+                f"{api}: expected the state of partition label {label!r} to be one core "
+                f"optimizer's, got core states {names}"
+            )
+        # as field_keys keys a state of no (or several) core optimizers: by path, all stated
+        generic = tuple((listed(path), sanitised_key(path), False) for path in probed)
+        keys = FieldKeys(generic, None, False, label=label, tensors=tensors)
+        return _no_other_lists(api, label, lists, keys)
+    where, value = known[0]
+    spec = STATE_KEYS[type(value)]
+    entries, shaped = [], []
+    for name, key, in_torch in spec.keys:
+        path = f"{where}.{name}"
+        if path in probed:
+            entries.append((listed(path), key, in_torch))
+        elif in_torch and path in lists:
+            shaped.append(ShapedState(prefix + path, key, expand(lists.pop(path))))
+    count = next((f for f, key, _ in entries if key == "step"), None)
+    order = tuple(key for _, key, kept in spec.keys if kept)
+    keys = FieldKeys(
+        tuple(entries), count, spec.eager, tuple(shaped), spec.factory, order, label, tensors
+    )
+    return _no_other_lists(api, label, lists, keys)
+
+
+def _no_other_lists(api: str, label: Hashable, lists: dict[str, Any], keys: FieldKeys) -> FieldKeys:
+    """``keys``, if no per-parameter list of the label's state is left out of them."""
+    if lists:
+        raise ValueError(
+            f"{api}: expected the state of partition label {label!r} to be one core "
+            f"optimizer's and nothing else, got per-parameter tensors at {sorted(lists)}"
+        )
+    return keys
+
+
 def _piece_lists(state: ShardedState) -> dict[str, tuple[torch.Tensor | None, ...]]:
     """The per-piece lists of ``state.inner`` (one tensor or None per piece), by path."""
     is_list = piece_list_pred(len(state.layout.pieces))
@@ -221,9 +322,7 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
     return out
 
 
-def piece_value(
-    field: StateField, layout: FlatLayout, k: int, slots: Sequence[int]
-) -> torch.Tensor:
+def piece_value(field: Field, layout: FlatLayout, k: int, slots: Sequence[int]) -> torch.Tensor:
     """The value of ``field`` for piece ``k``: a 1-D view (ELEMENTWISE) or a 0-d view.
 
     Example:
@@ -236,6 +335,11 @@ def piece_value(
         >>> piece_value(mu, layout, 1, piece_slots(layout))
         tensor([3., 4.])
     """
+    if isinstance(field, ListField):
+        value = field.tensors[k]
+        if value is None:
+            raise ValueError(f"piece_value: piece {k} has no value of {field.path}")
+        return value.view(()) if field.kind is FieldKind.PER_PIECE else value.view(-1)
     piece = layout.pieces[k]
     buf = field.buffers[piece.group]
     if field.kind is FieldKind.ELEMENTWISE:

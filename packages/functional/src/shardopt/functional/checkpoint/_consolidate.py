@@ -12,6 +12,7 @@ from shardopt.core import Piece, Plan
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
+    ListField,
     has_state,
     piece_slots,
     piece_value,
@@ -55,7 +56,9 @@ __all__ = [
 # on the CUDA device under NCCL ([Note: collective algorithms]); nothing is pickled. Shaped states
 # (Adafactor's row_var, col_var, variance: [Note: shaped state]) travel last, per state and dtype,
 # each rank's tensors end to end through the same windows; one small all-reduce of their dtype
-# codes first tells every rank every size. Every check
+# codes first tells every rank every size. The fields of a sharded partition's labels (lists per
+# label, [Note: labels of a sharded partition]) travel alike, per field and plan group, each
+# rank's values end to end; the plan and the recorded labels give every size. Every check
 # runs before the first gather, on every rank alike, so a bad argument raises everywhere.
 
 
@@ -118,14 +121,14 @@ def empty_entries(
     out: dict[int, dict[str, torch.Tensor]] = {}
     for t, spec in enumerate(plan.tensors):
         count = scalars[keys.count.path][t] if keys.count is not None else None
-        if spec.numel == 0 or not has_state(keys, count):
+        if spec.numel == 0 or not keys.covers(t) or not has_state(keys, count):
             continue
         g = where[t][0]
         entry = {}
         for field, key, in_torch in keys.entries:
             if not in_torch:
                 continue
-            dtype = field.buffers[g].dtype
+            dtype = field.dtypes[g] if isinstance(field, ListField) else field.buffers[g].dtype
             if field.kind is FieldKind.PER_PIECE:
                 entry[key] = scalars[field.path][t].to(dtype, copy=True)
             else:
@@ -224,12 +227,33 @@ def gather_elementwise(
     plan = state.layout.plan
     fields = [(f, key) for f, key, t in keys.entries if t and f.kind is FieldKind.ELEMENTWISE]
     targets = entries if entries is not None else {}
-    owned = [plan.pieces(r) for r in range(plan.world_size)] if entries is not None else []
+    owned = [plan.pieces(r) for r in range(plan.world_size)]
     for g in range(len(plan.groups)):
         pieces = [[p for p in mine if p.group == g] for mine in owned]
         for f, key in fields:
-            numel = max(plan.groups[g].shard_numels)
-            copy_pieces(windows(f.buffers[g], numel, to, group), pieces, key, targets)
+            if isinstance(f, ListField):  # end to end, as [Note: labels of a sharded partition]
+                runs = [_end_to_end_runs([p for p in ps if keys.covers(p.tensor)]) for ps in pieces]
+                numel = max(sum(p.numel for p in run) for run in runs)
+                local = [
+                    v.reshape(-1)
+                    for v, p in zip(f.tensors, state.layout.pieces)
+                    if v is not None and p.group == g
+                ]
+                buf = torch.cat(local) if local else torch.empty(0, dtype=f.dtypes[g])
+                if numel:
+                    copy_pieces(windows(buf, numel, to, group), runs, key, targets)
+            else:
+                numel = max(plan.groups[g].shard_numels)
+                copy_pieces(windows(f.buffers[g], numel, to, group), pieces, key, targets)
+
+
+def _end_to_end_runs(pieces: Sequence[Piece]) -> list[Piece]:
+    """``pieces`` with offsets placing them end to end (a label's list values concatenated)."""
+    out, offset = [], 0
+    for p in pieces:
+        out.append(Piece(p.tensor, p.start, p.stop, p.group, offset))
+        offset += p.numel
+    return out
 
 
 def copy_pieces(
@@ -261,7 +285,7 @@ def gather_scalars(
     rows = torch.zeros(len(fields), len(plan.tensors), dtype=torch.float64)
     slots = piece_slots(layout)
     for k, piece in enumerate(layout.pieces):
-        if piece.start == 0:
+        if piece.start == 0 and keys.covers(piece.tensor):
             for i, f in enumerate(fields):
                 rows[i, piece.tensor] = piece_value(f, layout, k, slots).item()
     gathered = gather_rows(rows, to, group)

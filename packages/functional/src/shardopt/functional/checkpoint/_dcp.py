@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shutil
-import uuid
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -21,12 +18,14 @@ from shardopt.core import Plan
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
-    field_keys,
+    ListField,
     has_state,
+    keys_of,
     outside_tensors,
     piece_slots,
     piece_value,
     sanitised_key,
+    state_keys,
 )
 from shardopt.functional.checkpoint._dcp_pieces import piece_tensor
 from shardopt.functional.checkpoint._hyperparams import (
@@ -35,45 +34,26 @@ from shardopt.functional.checkpoint._hyperparams import (
     saved_hyperparams,
     write_hyperparams,
 )
+from shardopt.functional.checkpoint._publish import (
+    agree_on_rank0,
+    publish,
+    published,
+    shared_token,
+)
 from shardopt.functional.checkpoint._torch_format import Hyperparams, param_group_dicts, param_keys
-from shardopt.functional.engine._collectives import ProcessGroup, comm_device
+from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._failure import (
     completed,
     fails_together,
     raised_on_every_rank,
 )
 from shardopt.functional.engine._mesh import GlobalPlace, mesh_groups
-from shardopt.functional.engine._rooted import broadcast_from
 from shardopt.functional.engine._validate import agree_across_ranks, fingerprint, plan_fields
 
 __all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 
 OPTIM_KEY = "optim"
 HYPERPARAMS = f"{OPTIM_KEY}.hyperparams."  # [Note: hyperparameters of a sharded state]
-
-# [Note: atomic checkpoints]
-# DCP writes a directory file by file, its ``.metadata`` last (on the coordinator, once every
-# rank's writes are done): a crash mid-way would leave a directory that looks like a checkpoint.
-# So ``path`` is a pointer: a symbolic link to a versioned directory beside it,
-# ``<path>.v-<token>`` (``token``: 16 hex digits drawn on rank 0 and broadcast), which is where
-# every rank writes. After ``dcp.save`` returned everywhere and a barrier, rank 0 alone
-# publishes, with no collective until it is done, cleanup included (a peer dying meanwhile
-# cannot stop it):
-#   1. make a link ``<path>.link-<token>`` to the new version and ``os.replace`` ``path`` with
-#      it: the commit point (a rename over a link is atomic);
-#   2. remove every leftover: each ``<path>.v-*`` but the one ``path`` now points to, each
-#      ``<path>.link-*``, and what older saves left (``<path>.tmp-*``, ``<path>.old-*``).
-# Leftovers are those names with 16 hex digits (``_leftovers``), never ``path`` nor any other
-# name. Invariant: ``path`` is always a complete checkpoint once one was published: before the
-# commit it points to the old version, which nothing removes before the commit; after it, to
-# the new one, complete before the commit. So at every crash point ``path`` itself is the old or
-# the new checkpoint, and ``torch.distributed.checkpoint.load`` (any tool) reads it directly
-# (the link resolves to a plain DCP directory). A checkpoint that an older shardopt published as
-# a plain directory at ``path`` is first renamed to ``<path>.old-<token>`` (the one moment
-# ``path`` is absent; ``_published`` then finds it there). The next save removes what a crash
-# left. A failure in any rank's writes makes ``dcp.save`` raise on every rank (DCP gathers the
-# results); rank 0 then removes the new version, so ``path`` is untouched. Rank 0 broadcasts
-# whether the publish succeeded, so every rank returns or raises alike.
 
 
 def _places(state: ShardedState) -> Sequence[GlobalPlace | None]:
@@ -85,13 +65,13 @@ def _places(state: ShardedState) -> Sequence[GlobalPlace | None]:
 
 def _optim_dict(
     state: ShardedState,
-    keys: FieldKeys,
+    keysets: Sequence[FieldKeys],
     names: Sequence[str],
-    present: Callable[[int, int], bool],
+    present: Callable[[FieldKeys, int, int], bool],
     masters: Callable[[int], bool],
 ) -> dict[str, Any]:
     """This rank's DCP dict: ``{"state": {name: {key: tensor}}, "master_weights": {name:
-    tensor}, "replicated": {path: tensor}}`` for the tensors ``present(t, k)`` says."""
+    tensor}, "replicated": {path: tensor}}`` for the tensors ``present(keys, t, k)`` says."""
     layout, plan = state.layout, state.layout.plan
     slots = piece_slots(layout)
     places = _places(state)
@@ -103,7 +83,8 @@ def _optim_dict(
         if master is not None and masters(t):
             flat = master[piece.offset : piece.offset + piece.numel]
             master_weights[names[t]] = piece_tensor(shape, piece, flat, place)
-        if not present(t, k):
+        keys = keys_of(keysets, t)
+        if keys is None or not present(keys, t, k):
             continue
         entry = entries.setdefault(names[t], {})
         for field, key, _ in keys.entries:
@@ -138,76 +119,32 @@ def _checkpoint_group(api: str, state: ShardedState, group: Any) -> ProcessGroup
     return dist.group.WORLD
 
 
-def _common_checks(state: ShardedState, keys: FieldKeys, extra: Any) -> str | None:
-    shaped = {s.path for s in keys.shaped}
+def _keysets(
+    api: str, state: ShardedState, extra: Any
+) -> tuple[tuple[FieldKeys, ...], str | BaseException | None]:
+    """The state's keys and the first problem of the input (for the agreement), if any."""
+    try:
+        keysets = state_keys(state, api)
+    except ValueError as exc:  # the same structure everywhere, but ride the agreement anyway
+        return (), exc
+    return keysets, _common_checks(state, keysets, extra)
+
+
+def _common_checks(state: ShardedState, keysets: Sequence[FieldKeys], extra: Any) -> str | None:
+    listed = {s.path for keys in keysets for s in keys.shaped}
+    listed |= {f.path for keys in keysets for f, _, _ in keys.entries if isinstance(f, ListField)}
     per_piece = [
         path
         for path, _, replicated in outside_tensors(state)
-        if not replicated and path.rsplit("[", 1)[0] not in shaped
+        if not replicated and path.rsplit("[", 1)[0] not in listed
     ]
     if per_piece:
         return f"every per-parameter tensor of the state in a field, got others at {per_piece}"
-    if shaped and state.layout.global_places is not None:
+    if any(keys.shaped for keys in keysets) and state.layout.global_places is not None:
         return "no shaped state (Adafactor's row_var, col_var) with DTensor parameters"
     if extra is not None and (not isinstance(extra, Mapping) or OPTIM_KEY in extra):
         return f"extra to be a mapping without the key {OPTIM_KEY!r}, got {type(extra).__name__}"
     return None
-
-
-def _shared_token(group: ProcessGroup) -> int:
-    """A random 62-bit number drawn on rank 0 of ``group`` and broadcast (the same everywhere)."""
-    token = torch.tensor([uuid.uuid4().int >> 66], dtype=torch.int64, device=comm_device(group))
-    broadcast_from(token, 0, group=group)
-    return int(token.item())
-
-
-def _agree_on_rank0(api: str, error: BaseException | None, group: ProcessGroup) -> None:
-    """Rank 0 says whether ``error`` happened; every rank raises if so."""
-    flag = torch.tensor([0 if error is None else 1], device=comm_device(group))
-    broadcast_from(flag, 0, group=group)
-    if error is not None:
-        raise error
-    if flag.item():
-        raise RuntimeError(f"{api}: rank 0 failed to move the checkpoint into place")
-
-
-def _publish(version: str, target: str, token: int) -> None:
-    """Steps 1-2 of [Note: atomic checkpoints], on rank 0."""
-    if os.path.isdir(target) and not os.path.islink(target):  # published by an older shardopt
-        for old in _leftovers(target, "old"):
-            shutil.rmtree(old)  # must succeed: one .old-* at most while nothing is at target
-        os.rename(target, f"{target}.old-{token:016x}")
-    link = f"{target}.link-{token:016x}"
-    os.symlink(os.path.basename(version), link)
-    os.replace(link, target)
-    current = os.path.realpath(target)
-    for leftover in _leftovers(target):
-        if os.path.islink(leftover):  # a crashed save's link: never the pointer itself
-            with contextlib.suppress(OSError):
-                os.unlink(leftover)
-        elif os.path.realpath(leftover) != current:
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _leftovers(target: str, kind: str = "v|link|tmp|old") -> list[str]:
-    """The ``<target>.<kind>-<16 hex>`` names beside ``target`` (see [Note: atomic checkpoints]),
-    sorted."""
-    parent, base = os.path.split(target)
-    pattern = re.compile(re.escape(base) + rf"\.({kind})-[0-9a-f]{{16}}")
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    return sorted(os.path.join(parent, n) for n in names if pattern.fullmatch(n))
-
-
-def _published(target: str) -> str | None:
-    """Where the checkpoint published at ``target`` is: ``target``, or the one ``.old-*`` a crash
-    while replacing an older shardopt's directory left; None if there is none."""
-    if os.path.exists(target):
-        return target
-    olds = _leftovers(target, "old")
-    return olds[0] if len(olds) == 1 else None
 
 
 @fails_together("save_checkpoint")
@@ -265,12 +202,11 @@ def save_checkpoint(
     state.layout.wait_params()  # [Note: deferred parameter sync]
     group = _checkpoint_group(api, state, group)
     plan, rank = state.layout.plan, dist.get_rank(group)
-    keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
     groups = param_group_dicts(api, plan, param_groups, key_of)
     target = os.path.abspath(os.fspath(path))
-    error = _common_checks(state, keys, extra)
-    if error is None and rank == 0 and _published(target) is not None and not overwrite:
+    keysets, error = _keysets(api, state, extra)
+    if error is None and rank == 0 and published(target) is not None and not overwrite:
         error = f"a path that does not exist (or overwrite=True), got {target!r}"
     agree_across_ranks(
         api,
@@ -279,17 +215,17 @@ def save_checkpoint(
         group,
         lambda: {"path": target, "param keys": key_of, "plan": plan_fields(plan)},
     )
-    token = _shared_token(group)
+    token = shared_token(group)
     tmp = f"{target}.v-{token:016x}"  # the new version ([Note: atomic checkpoints])
     slots = piece_slots(state.layout)
 
-    def present(t: int, k: int) -> bool:
+    def present(keys: FieldKeys, t: int, k: int) -> bool:
         count = keys.count
         return has_state(
             keys, None if count is None else piece_value(count, state.layout, k, slots)
         )
 
-    optim = _optim_dict(state, keys, key_of, present, lambda t: True)
+    optim = _optim_dict(state, keysets, key_of, present, lambda t: True)
     hyperparams = saved_hyperparams(state)
     if hyperparams:
         optim["hyperparams"] = hyperparams
@@ -310,15 +246,15 @@ def save_checkpoint(
     failure: BaseException | None = None
     if rank == 0:
         try:
-            _publish(tmp, target, token)
+            publish(tmp, target, token)
         except OSError as exc:
             failure = exc
             shutil.rmtree(tmp, ignore_errors=True)  # still there: the commit did not happen
-    _agree_on_rank0(api, failure, group)
+    agree_on_rank0(api, failure, group)
 
 
 def _check_metadata(
-    api: str, state: ShardedState, keys: FieldKeys, names: Sequence[str], md: Any
+    api: str, state: ShardedState, keysets: Sequence[FieldKeys], names: Sequence[str], md: Any
 ) -> tuple[str | None, list[bool], list[bool]]:
     """(the first problem of the checkpoint for ``state``, whether each tensor has state in it,
     whether it has master weights); the same on every rank (plan and file are)."""
@@ -326,22 +262,16 @@ def _check_metadata(
     places = _places(state)
     saved = md.state_dict_metadata
     prefix = f"{OPTIM_KEY}.state."
-    shapes = [keys.shapes(spec.shape, torch.float32) for spec in plan.tensors]
-    expected = {f"{prefix}{n}.{key}" for n in names for _, key, _ in keys.entries}
-    expected |= {f"{prefix}{n}.{key}" for n, s in zip(names, shapes) for key in s}
+    wants = [
+        _wanted(keys_of(keysets, t), spec.shape, places[t]) for t, spec in enumerate(plan.tensors)
+    ]
+    expected = {f"{prefix}{n}.{key}" for n, want in zip(names, wants) for key in want}
     unknown = sorted(k for k in saved if k.startswith(prefix) and k not in expected)
     if unknown:
         return f"state keys among those of this optimizer and plan, got {unknown[:4]}", [], []
     present, masters = [], []
     for t, spec in enumerate(plan.tensors):
-        base = f"{prefix}{names[t]}."
-        place = places[t]
-        full = spec.shape if place is None else place.shape
-        want = {
-            key: torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
-            for field, key, _ in keys.entries
-        }
-        want.update({key: torch.Size(shape) for key, shape in shapes[t].items()})
+        base, want = f"{prefix}{names[t]}.", wants[t]
         have = [key for key in want if base + key in saved]
         present.append(bool(have) and spec.numel > 0)
         masters.append(f"{OPTIM_KEY}.master_weights.{names[t]}" in saved)
@@ -356,6 +286,21 @@ def _check_metadata(
         if replicated and f"{OPTIM_KEY}.replicated.{sanitised_key(path)}" not in saved:
             return f"the replicated state {path} in the checkpoint, got none", [], []
     return None, present, masters
+
+
+def _wanted(
+    keys: FieldKeys | None, shape: tuple[int, ...], place: GlobalPlace | None
+) -> dict[str, torch.Size]:
+    """The saved keys of a parameter of ``shape`` (at ``place``), with their shapes."""
+    if keys is None:
+        return {}
+    full = shape if place is None else place.shape
+    want = {
+        key: torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
+        for field, key, _ in keys.entries
+    }
+    want.update({key: torch.Size(s) for key, s in keys.shapes(shape, torch.float32).items()})
+    return want
 
 
 @fails_together("load_checkpoint")
@@ -385,11 +330,10 @@ def load_checkpoint(
     layout, plan = state.layout, state.layout.plan
     layout.wait_params()  # [Note: deferred parameter sync]
     group = _checkpoint_group(api, state, group)
-    keys = field_keys(state, api)
     key_of = [str(k) for k in param_keys(api, plan, names)]
     asked = os.path.abspath(os.fspath(path))
-    source = _published(asked) or asked  # after a crash mid-publish: [Note: atomic checkpoints]
-    error = _common_checks(state, keys, extra)
+    source = published(asked) or asked  # after a crash mid-publish: [Note: atomic checkpoints]
+    keysets, error = _keysets(api, state, extra)
     present: list[bool] = []
     masters: list[bool] = []
     hyperparams: dict[str, Any] = {}
@@ -399,13 +343,13 @@ def load_checkpoint(
         except (OSError, ValueError, RuntimeError) as exc:
             md, error = None, f"a readable checkpoint at {source!r}, got {type(exc).__name__}"
         if md is not None:
-            error, present, masters = _check_metadata(api, state, keys, key_of, md)
+            error, present, masters = _check_metadata(api, state, keysets, key_of, md)
             saved = {
                 k[len(HYPERPARAMS) :] for k in md.state_dict_metadata if k.startswith(HYPERPARAMS)
             }
             hyperparams = hyperparam_placeholders(state, saved)
     if error is None:
-        error = _fresh_where_absent(state, keys, key_of, present)
+        error = _fresh_where_absent(state, keysets, key_of, present)
     agree_across_ranks(
         api,
         error,
@@ -418,7 +362,7 @@ def load_checkpoint(
         dcp.load(hyper_sd, storage_reader=FileSystemReader(source), process_group=group)
         hyperparams = hyper_sd[OPTIM_KEY]["hyperparams"]
     writes = checked_hyperparams(api, state, hyperparams, every=False)  # alike on every rank
-    optim = _optim_dict(state, keys, key_of, lambda t, k: present[t], masters.__getitem__)
+    optim = _optim_dict(state, keysets, key_of, lambda _, t, k: present[t], masters.__getitem__)
     sd = {OPTIM_KEY: optim, **(extra or {})}
     dcp.load(sd, storage_reader=FileSystemReader(source), process_group=group)
     write_hyperparams(writes)
@@ -432,14 +376,18 @@ def load_checkpoint(
 
 
 def _fresh_where_absent(
-    state: ShardedState, keys: FieldKeys, names: Sequence[str], present: Sequence[bool]
+    state: ShardedState,
+    keysets: Sequence[FieldKeys],
+    names: Sequence[str],
+    present: Sequence[bool],
 ) -> str | None:
-    if keys.count is None:
-        return None
     slots = piece_slots(state.layout)
     for k, piece in enumerate(state.layout.pieces):
+        keys = keys_of(keysets, piece.tensor)
+        if keys is None or keys.count is None or present[piece.tensor]:
+            continue
         count = piece_value(keys.count, state.layout, k, slots).item()
-        if not present[piece.tensor] and count != 0:
+        if count != 0:
             return (
                 f"state in the checkpoint for parameter {names[piece.tensor]!r}, whose state "
                 f"here has count {count:g} (load into a fresh state)"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -12,9 +12,10 @@ from shardopt.core import Plan
 from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
-    field_keys,
+    keys_of,
     piece_slots,
     piece_value,
+    state_keys,
 )
 from shardopt.functional.checkpoint._consolidate import (
     empty_entries,
@@ -60,7 +61,7 @@ def consolidate_state_dict(
     names: Sequence[str] | None = None,
     to: int = 0,
     group: ProcessGroup = None,
-) -> dict[str, Any] | None:
+) -> dict[Any, Any] | None:
     """The full optimizer state in ``torch.optim.<Class>.state_dict()`` format, on rank ``to``.
 
     Every rank of ``group`` must call it (it gathers, see [Note: consolidation by gathers] in
@@ -71,11 +72,18 @@ def consolidate_state_dict(
     Adagrad). Tensors are on the device of the gathers (the CPU under gloo), each contiguous
     with a storage of its own.
 
+    The state of a core ``partition`` (Muon for matrices, AdamW for the rest, say) gives one
+    such dict per label, ``{label: dict}`` in the partition's order, each what the label's torch
+    optimizer over the label's parameters would give (its ``"state"`` keyed by the index among
+    them, or by name), with only the param groups that hold some of them.
+
     Args:
-        state: a state of one of the ten core optimizers (anything else raises ValueError).
+        state: a state of one of the core optimizers, or of a ``partition`` of them (anything
+            else raises ValueError).
         param_groups: the hyperparameters of each plan param group (e.g.
             :func:`torch_hyperparams`), one mapping for all groups, or None for none. A
-            ``"params"`` key, if present, must list the group's parameters.
+            ``"params"`` key, if present, must list the group's parameters. For a partition,
+            a mapping from each label to its optimizer's (each as above).
         names: one key per plan tensor instead of its index (torch's FQN optimizer format).
         to: the rank (in ``group``) that receives the dict.
         group: the process group of the sharded optimizer (None: the default group).
@@ -100,15 +108,21 @@ def consolidate_state_dict(
     plan = state.layout.plan
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     failure: BaseException | None = None
+    keysets: tuple[FieldKeys, ...] = ()
     try:  # local checks: their errors ride through the agreement ([Note: cross-rank validation])
         if world != plan.world_size:
             raise ValueError(f"{api}: expected a group of {plan.world_size} ranks, got {world}")
         if type(to) is not int or not 0 <= to < world:
             raise ValueError(f"{api}: expected 0 <= to < {world}, got {to!r}")
-        keys = field_keys(state, api, torch_only=True)
+        keysets = state_keys(state, api, torch_only=True)
         key_of = param_keys(api, plan, names)
-        groups = param_group_dicts(api, plan, param_groups, key_of)
-        local = shaped_dtypes(api, keys, state)
+        groups = [
+            param_group_dicts(
+                api, plan, _hyper_of(api, keys, param_groups), _keys_in(keys, key_of), keys
+            )
+            for keys in keysets
+        ]
+        local = [shaped_dtypes(api, keys, state) for keys in keysets]
     except ValueError as exc:
         failure = exc
     print_ = 0 if failure else fingerprint(plan, describe((to, key_of, groups)))
@@ -119,15 +133,43 @@ def consolidate_state_dict(
         group,
         lambda: {"to": to, "param keys": key_of, "param_groups": groups, "plan": plan_fields(plan)},
     )
-    scalars = gather_scalars(state, keys, to, group)
-    codes = merge_codes(local, group) if keys.shaped else local
-    entries = empty_entries(state, keys, scalars, codes, comm_device(group)) if rank == to else None
-    gather_elementwise(state, keys, entries, to, group)
-    gather_shaped(state, keys, codes, entries, to, group)
-    if entries is None:
+    out: dict[Hashable, dict[str, Any]] = {}
+    for keys, codes, label_groups in zip(keysets, local, groups):
+        scalars = gather_scalars(state, keys, to, group)
+        codes = merge_codes(codes, group) if keys.shaped else codes
+        device = comm_device(group)
+        entries = empty_entries(state, keys, scalars, codes, device) if rank == to else None
+        gather_elementwise(state, keys, entries, to, group)
+        gather_shaped(state, keys, codes, entries, to, group)
+        if entries is not None:
+            key = _keys_in(keys, key_of)
+            sd = {key[t]: keys.ordered(entry) for t, entry in entries.items()}
+            out[keys.label] = {"state": sd, "param_groups": label_groups}
+    if rank != to:
         return None
-    out = {key_of[t]: keys.ordered(entry) for t, entry in entries.items()}
-    return {"state": out, "param_groups": groups}
+    return out[None] if state.labels is None else out
+
+
+def _keys_in(keys: FieldKeys, key_of: Sequence[Hashable]) -> list[Hashable]:
+    """Each plan tensor's key in the torch dict of ``keys``: ``key_of``, or for one label of a
+    partition (names aside) its index among that label's tensors (-1 for others)."""
+    if keys.tensors is None or any(isinstance(k, str) for k in key_of):
+        return list(key_of)
+    index = {t: i for i, t in enumerate(sorted(keys.tensors))}
+    return [index.get(t, -1) for t in range(len(key_of))]
+
+
+def _hyper_of(api: str, keys: FieldKeys, hyper: Hyperparams) -> Hyperparams:
+    """The hyperparameters for ``keys``: ``hyper``, or for a label of a partition
+    ``hyper[label]`` (``hyper`` maps each label to its optimizer's hyperparameters)."""
+    if keys.tensors is None or hyper is None:
+        return hyper
+    if not isinstance(hyper, Mapping) or keys.label not in hyper:
+        raise ValueError(
+            f"{api}: expected param_groups of a partition to map each label to its "
+            f"hyperparameters, got {hyper!r} without label {keys.label!r}"
+        )
+    return cast(Mapping[Hashable, Any], hyper)[keys.label]
 
 
 def param_keys(api: str, plan: Plan, names: Sequence[str] | None) -> list[Hashable]:
@@ -146,12 +188,22 @@ def param_keys(api: str, plan: Plan, names: Sequence[str] | None) -> list[Hashab
 
 
 def param_group_dicts(
-    api: str, plan: Plan, hyper: Hyperparams, key_of: Sequence[Hashable]
+    api: str,
+    plan: Plan,
+    hyper: Hyperparams,
+    key_of: Sequence[Hashable],
+    keys: FieldKeys | None = None,
 ) -> list[dict[str, Any]]:
-    """torch's ``param_groups``: the hyperparameters of each plan param group and its "params"."""
+    """torch's ``param_groups``: the hyperparameters of each plan param group and its "params"
+    (for one label of a partition, ``keys``: the groups holding its tensors, and those only)."""
     ids = sorted({t.param_group for t in plan.tensors})
     members = [
-        [key_of[t] for t, spec in enumerate(plan.tensors) if spec.param_group == pg] for pg in ids
+        [
+            key_of[t]
+            for t, spec in enumerate(plan.tensors)
+            if spec.param_group == pg and (keys is None or keys.covers(t))
+        ]
+        for pg in ids
     ]
     if hyper is None:
         hypers: list[Mapping[str, Any]] = [{} for _ in ids]
@@ -170,7 +222,8 @@ def param_group_dicts(
             raise ValueError(
                 f"{api}: expected param_groups[{i}]['params'] == {params}, got {h['params']!r}"
             )
-        out.append({**{k: v for k, v in h.items() if k != "params"}, "params": params})
+        if params or keys is None or keys.tensors is None:
+            out.append({**{k: v for k, v in h.items() if k != "params"}, "params": params})
     return out
 
 
@@ -181,10 +234,12 @@ def load_torch_state_dict(
 
     Call it on every rank with the same full dict (e.g. ``torch.load`` of an exported one, or
     :func:`consolidate_state_dict` of another world size or plan): each rank keeps the slices of
-    its own pieces. Hyperparameters in ``param_groups`` are not loaded (a core transformation's
-    are fixed at construction); the groups' ``params`` must match the plan. Parameters without
-    an entry keep their state, which must still be fresh (count 0). Master weights, which
-    torch.optim does not have, are re-initialised from the current parameters.
+    its own pieces. A ``partition``'s state takes ``{label: dict}``, one torch dict per label
+    (as :func:`consolidate_state_dict` gives). Hyperparameters in ``param_groups`` are not
+    loaded (a core transformation's are fixed at construction); the groups' ``params`` must
+    match the plan. Parameters without an entry keep their state, which must still be fresh
+    (count 0). Master weights, which torch.optim does not have, are re-initialised from the
+    current parameters.
 
     Raises:
         ValueError: a state that torch cannot represent, or a dict that does not match the plan
@@ -209,14 +264,18 @@ def load_torch_state_dict(
     """
     api = "load_torch_state_dict"
     state.layout.wait_params()
-    keys = field_keys(state, api, torch_only=True)
+    keysets = state_keys(state, api, torch_only=True)
     layout, plan = state.layout, state.layout.plan
     key_of = param_keys(api, plan, names)
-    entries = _checked_entries(api, plan, keys, torch_sd, key_of)
+    entries: list[Mapping[str, Any] | None] = [None] * len(plan.tensors)
+    for keys, sd in zip(keysets, _dicts_of(api, state, keysets, torch_sd)):
+        for t, entry in enumerate(_checked_entries(api, plan, keys, sd, _keys_in(keys, key_of))):
+            entries[t] = entries[t] if entry is None else entry
     slots = piece_slots(layout)
     for k, piece in enumerate(layout.pieces):
-        if entries[piece.tensor] is None and keys.count is not None:
-            count = piece_value(keys.count, layout, k, slots)
+        found = keys_of(keysets, piece.tensor)
+        if found is not None and entries[piece.tensor] is None and found.count is not None:
+            count = piece_value(found.count, layout, k, slots)
             if count.item() != 0:
                 raise ValueError(
                     f"{api}: expected an entry for parameter {key_of[piece.tensor]!r}, whose "
@@ -224,10 +283,10 @@ def load_torch_state_dict(
                 )
     with torch.no_grad():
         for k, piece in enumerate(layout.pieces):
-            entry = entries[piece.tensor]
-            if entry is None:
+            entry, found = entries[piece.tensor], keys_of(keysets, piece.tensor)
+            if entry is None or found is None:
                 continue
-            for field, key, in_torch in keys.entries:
+            for field, key, in_torch in found.entries:
                 dst = piece_value(field, layout, k, slots)
                 if not in_torch:  # SGD's count: torch keeps none, a buffer means >= 1 step
                     dst.clamp_(min=1)
@@ -235,12 +294,29 @@ def load_torch_state_dict(
                     dst.copy_(torch.as_tensor(entry[key]).reshape(()))
                 else:
                     dst.copy_(entry[key].reshape(-1)[piece.start : piece.stop])
-            for shaped in keys.shaped:  # [Note: shaped state]: pieces are whole tensors
+            for shaped in found.shaped:  # [Note: shaped state]: pieces are whole tensors
                 if (whole := shaped.tensors[k]) is not None:
                     whole.copy_(entry[shaped.key])
         for g, master in enumerate(state.master):
             if master is not None:
                 master.copy_(layout.copy_shard_out(g))
+
+
+def _dicts_of(
+    api: str, state: ShardedState, keysets: Sequence[FieldKeys], torch_sd: Any
+) -> list[Any]:
+    """The torch dict of each of ``keysets``: ``torch_sd``, or its value at each label of a
+    partition (``{label: dict}``, as :func:`consolidate_state_dict` gives)."""
+    if state.labels is None:
+        return [torch_sd]
+    labels = [keys.label for keys in keysets]
+    if not isinstance(torch_sd, Mapping) or list(torch_sd) != labels:
+        got = list(torch_sd) if isinstance(torch_sd, Mapping) else type(torch_sd).__name__
+        raise ValueError(
+            f"{api}: expected the state of a partition as one torch dict per label, keyed by "
+            f"{labels}, got {got}"
+        )
+    return [torch_sd[label] for label in labels]
 
 
 def _checked_entries(
@@ -250,19 +326,20 @@ def _checked_entries(
     if not isinstance(torch_sd, Mapping) or set(torch_sd) != {"state", "param_groups"}:
         got = sorted(torch_sd) if isinstance(torch_sd, Mapping) else type(torch_sd).__name__
         raise ValueError(f"{api}: expected a dict with keys 'param_groups' and 'state', got {got}")
-    want = [g["params"] for g in param_group_dicts(api, plan, None, key_of)]
+    want = [g["params"] for g in param_group_dicts(api, plan, None, key_of, keys)]
     groups = torch_sd["param_groups"]
     params = [list(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
     if params != want:
         raise ValueError(f"{api}: expected param_groups with params {want}, got {params}")
     state = torch_sd["state"]
-    unknown = [k for k in state if k not in set(key_of)]
+    known = [k for t, k in enumerate(key_of) if keys.covers(t)]
+    unknown = [k for k in state if k not in set(known)]
     if unknown:
-        raise ValueError(f"{api}: expected state keys among {list(key_of)}, got {unknown}")
+        raise ValueError(f"{api}: expected state keys among {known}, got {unknown}")
     fields = {key: f for f, key, in_torch in keys.entries if in_torch}
     out: list[Mapping[str, Any] | None] = []
     for t, spec in enumerate(plan.tensors):
-        entry = state.get(key_of[t])
+        entry = state.get(key_of[t]) if keys.covers(t) else None
         out.append(entry)
         if entry is None:
             continue
