@@ -94,3 +94,17 @@ def test_a_cuda_state_saved_and_loaded_consolidates_to_the_same_dict_bitwise(
         for key, value in entry.items():
             assert torch.equal(value, loaded["state"][index][key]), (index, key)
     assert all(b.is_cuda for b in states[1][2].layout.buffers)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.world(1, backend="nccl", timeout=180)
+def test_a_bfloat16_wire_on_cuda_rounds_each_gradient_once_and_sums_in_float32(world: World):
+    from shardopt.core import sgd
+
+    params = [torch.zeros(s, device=world.device) for s in ((7, 5), (13,), (6, 6))]
+    sharded = shard(sgd(1.0), plan_partition(params, 1), stage=2, comm_dtype=torch.bfloat16)
+    grads = [torch.randn_like(p) for p in params]
+    sharded.step(params, grads, sharded.init(params))
+    for p, g in zip(params, grads):
+        assert p.is_cuda
+        assert torch.equal(-p, g.to(torch.bfloat16).float())

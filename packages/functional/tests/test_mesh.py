@@ -3,6 +3,7 @@ over "shard" and averages gradients across replicas, matching one process on the
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from typing import Any
@@ -91,14 +92,19 @@ def test_a_mesh_matches_one_process_on_the_full_batch(run_world, kind, stage, st
     assert all(sum(r) == 2 * total for r in replicas), (held, total)
 
 
-def bytes_per_dim(rank: int, world: int, stage: int) -> tuple[int, int, int, int]:
-    """(bytes handed to collectives in the "shard" group over one step, in the "replicate"
-    group, and the plan's predictions of both)."""
+def bytes_per_dim(
+    rank: int, world: int, stage: int, comm: torch.dtype | None
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(the bytes handed to collectives in the "shard" group over one step and their calls, the
+    same in the "replicate" group, and the predictions of both): (all-reduce, reduce-scatter,
+    all-gather, calls) each, as ``CollectiveLog.totals`` counts them."""
     mesh = make_mesh("2d", world)
     model = small_mlp()
     params = list(model.parameters())
     plan = plan_partition(params, 2, bucket_numel=100)
-    sharded = shard(adamw(1e-2), plan, group=mesh, stage=stage, algorithm="collective")
+    sharded = shard(
+        adamw(1e-2), plan, group=mesh, stage=stage, algorithm="collective", comm_dtype=comm
+    )
     state = sharded.init(params)
     x, y = mlp_batch(0, rank)
     nn.functional.mse_loss(model(x), y).backward()
@@ -106,23 +112,25 @@ def bytes_per_dim(rank: int, world: int, stage: int) -> tuple[int, int, int, int
         sharded.step(params, None, state)
     inner = log.in_group(mesh.get_group("shard")).totals()
     across = log.in_group(mesh.get_group("replicate")).totals()
-    _, traffic = layout_cost(plan, stage=stage, algorithm="collective")
-    rank_in_shard = mesh.get_local_rank("shard")
-    predicted_across = replica_bytes(plan, rank_in_shard)
-    counted_inner = inner.reduce_scatter + inner.all_gather
-    return (
-        counted_inner,
-        across.all_reduce,
-        traffic.reduce_scatter + traffic.all_gather,
-        predicted_across,
-    )
+    _, traffic = layout_cost(plan, stage=stage, algorithm="collective", comm_dtype=comm)
+    shard_bytes = replica_bytes(plan, mesh.get_local_rank("shard"), comm_dtype=comm)
+    replicas, calls = mesh.size(0), sum(len(g.buckets) for g in plan.groups)
+    if comm is None:  # an all-reduce of the shard (counted by its input); no calls of ours
+        predicted_across = (shard_bytes, 0, 0, 0)
+    else:  # an all-gather of the shard in comm (counted by its output), one per bucket
+        predicted_across = (0, 0, replicas * shard_bytes, calls)
+    return tuple(inner), tuple(across), dataclasses.astuple(traffic), predicted_across
 
 
+@pytest.mark.parametrize("comm", [None, torch.bfloat16], ids=["own-dtype", "bfloat16-wire"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_bytes_per_mesh_dim_equal_the_prediction(run_world, stage):
-    for inner, across, predicted_inner, predicted_across in run_world(bytes_per_dim, 4, stage):
+def test_bytes_per_mesh_dim_equal_the_prediction(run_world, stage, comm):
+    for inner, across, predicted_inner, predicted_across in run_world(
+        bytes_per_dim, 4, stage, comm
+    ):
         assert inner == predicted_inner
-        assert across == predicted_across > 0
+        assert across == predicted_across
+        assert sum(across[:3]) > 0
 
 
 def mismatched_meshes(rank: int, world: int) -> str:

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 from importlib import metadata
-from typing import Any
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -23,41 +23,77 @@ from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition, with_stat
 from shardopt.functional import RankBytes, Traffic, register_grad_hooks, shard
 from shardopt.testing import spawn
 
-# (stage, strategy, master dtype, bucket_numel, algorithm, grads_averaged, state dtype): every kind
-# of group, bucket, staging and collective, and bfloat16 state beside float32 and bfloat16 params
-# and float32 masters. bucket_numel counts all ranks: 8 and 16 cut every group into several
-# buckets (greedy ones with unequal shards), None makes one bucket per group.
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+class Config(NamedTuple):
+    """One run of the exactness test: ``shard``'s options (``state``: Adam's moments under
+    ``with_state_dtype``), ``plan_partition``'s strategy and bucket_numel, and the model's
+    dtype (None: MixedNet's float32 and bfloat16 layers; BF16: all of it in bfloat16)."""
+
+    stage: int
+    strategy: str
+    master: torch.dtype | None
+    bucket: int | None
+    algorithm: str
+    averaged: bool
+    state: torch.dtype | None
+    comm: torch.dtype | None = None
+    remainders: bool = False
+    model: torch.dtype | None = None
+
+
+# Every kind of group, bucket, staging and collective, and bfloat16 state beside float32 and
+# bfloat16 params and float32 masters. bucket_numel counts all ranks: 8 and 16 cut every group
+# into several buckets (greedy ones with unequal shards), None makes one bucket per group. With
+# a comm dtype: widened staging (W x the largest shard of scratch), one all-to-all per bucket
+# under either algorithm, even and uneven shards, oversized buckets and single ones.
 CONFIGS = [
-    (DDP, "flat", None, None, "collective", True, None),
-    (1, "flat", None, None, "collective", True, None),
-    (1, "greedy", None, 8, "collective", True, BF16),
-    (1, "flat", torch.float32, 16, "exchange", False, None),
-    (1, "greedy", None, 8, "exchange", False, None),
-    (1, "flat", None, 8, "collective", False, BF16),
-    (2, "flat", None, 16, "collective", False, None),
-    (2, "greedy", None, None, "exchange", False, None),
-    (2, "greedy", None, 8, "collective", False, None),
-    (2, "flat", torch.float32, 8, "collective", False, None),
-    (2, "flat", torch.float32, 8, "exchange", False, BF16),
-    (2, "flat", None, 8, "exchange", False, None),
+    Config(DDP, "flat", None, None, "collective", True, None),
+    Config(1, "flat", None, None, "collective", True, None),
+    Config(1, "greedy", None, 8, "collective", True, BF16),
+    Config(1, "flat", F32, 16, "exchange", False, None),
+    Config(1, "greedy", None, 8, "exchange", False, None),
+    Config(1, "flat", None, 8, "collective", False, BF16),
+    Config(2, "flat", None, 16, "collective", False, None),
+    Config(2, "greedy", None, None, "exchange", False, None),
+    Config(2, "greedy", None, 8, "collective", False, None),
+    Config(2, "flat", F32, 8, "collective", False, None),
+    Config(2, "flat", F32, 8, "exchange", False, BF16),
+    Config(2, "flat", None, 8, "exchange", False, None),
+    # gradients on a bfloat16 wire
+    Config(1, "flat", None, 16, "collective", False, None, comm=BF16),
+    Config(1, "greedy", None, 8, "exchange", False, None, comm=BF16),
+    Config(2, "greedy", None, 8, "collective", False, None, comm=BF16),
+    Config(2, "flat", None, None, "exchange", False, None, comm=BF16),
+    Config(2, "flat", F32, 8, "collective", False, BF16, comm=BF16, model=BF16),
+    Config(1, "greedy", F32, 16, "exchange", False, BF16, comm=BF16, model=BF16),
 ]
+# masters as 16-bit remainders: of the bfloat16 layer only (MixedNet), of every layer (BF16)
+REMAINDERS = [
+    Config(2, "flat", F32, 8, "collective", False, BF16, comm=BF16, remainders=True, model=BF16),
+    Config(1, "greedy", F32, None, "exchange", False, None, remainders=True),
+    Config(2, "greedy", F32, 8, "exchange", False, None, remainders=True, model=BF16),
+]
+CONFIGS += REMAINDERS
 
 
 class MixedNet(nn.Module):
     """float32 and bfloat16 layers, interleaved, and a frozen float32 scale."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.first = nn.Linear(5, 7)
         self.middle = nn.Linear(7, 6).to(torch.bfloat16)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6), requires_grad=False)
         self.last = nn.Linear(6, 3)
+        if dtype is not None:  # all of it
+            self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.first(x)).to(torch.bfloat16)
-        h = torch.tanh(self.middle(h)).float() * self.scale
-        return self.last(h)
+        h = torch.tanh(self.first(x.to(self.first.weight.dtype))).to(torch.bfloat16)
+        h = torch.tanh(self.middle(h)).to(self.scale.dtype) * self.scale
+        return self.last(h.to(self.last.weight.dtype))
 
 
 def backward(model: nn.Module, rank: int) -> None:
@@ -65,11 +101,11 @@ def backward(model: nn.Module, rank: int) -> None:
     model(torch.randn(4, 5, generator=gen)).square().mean().backward()
 
 
-def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankBytes, Traffic, list]:
+def run_config(rank: int, world: int, config: Config) -> tuple[RankBytes, Traffic, list]:
     """Two steps of ``config``; the bytes held after them and the collectives of the second."""
-    stage, strategy, master, bucket, algorithm, averaged, state_dtype = config
+    stage, strategy, master, bucket, algorithm, averaged, state_dtype = config[:7]
     torch.manual_seed(0)
-    model = MixedNet()
+    model = MixedNet(config.model)
     params = [p for p in model.parameters() if p.requires_grad]
     if stage == DDP:
         opt = torch.optim.AdamW(params)
@@ -91,6 +127,8 @@ def run_config(rank: int, world: int, config: tuple[Any, ...]) -> tuple[RankByte
         grads_averaged=averaged,
         master_dtype=master,
         algorithm=algorithm,
+        comm_dtype=config.comm,
+        master_remainders=config.remainders,
     )
     state = sharded.init(params)
     if not averaged:
@@ -115,9 +153,9 @@ def run_all(rank: int, world: int) -> list[tuple[RankBytes, Traffic, list]]:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
     results = spawn(run_all, world, backend="gloo", timeout=120.0)
-    params = params_of(MixedNet())
     for config, *per_rank in zip(CONFIGS, *results):
-        stage, strategy, master, bucket, algorithm, averaged, state_dtype = config
+        stage, strategy, master, bucket, algorithm, averaged, state_dtype = config[:7]
+        params = params_of(MixedNet(config.model))
         p = predict(
             params,
             world,
@@ -128,6 +166,8 @@ def test_predictions_equal_real_tensor_bytes_and_counted_collectives(world):
             bucket_numel=bucket,
             algorithm=algorithm,
             grads_averaged=averaged and stage != DDP,
+            comm_dtype=config.comm,
+            master_remainders=config.remainders,
         )
         for rank, (held, traffic, others) in enumerate(per_rank):
             where = f"{p.label} {config} rank {rank}"
@@ -212,6 +252,63 @@ def test_bfloat16_state_halves_the_moments_of_the_shardopt_rows_only(capsys):
     assert counts % 4 == 0
 
 
+@pytest.mark.parametrize(
+    ("base", "flag", "halved"),
+    [
+        ([], ["--comm-dtype", "bfloat16"], ("traffic", "reduce_scatter_bytes")),
+        (
+            ["--dtype", "bfloat16", "--master-dtype", "float32"],
+            ["--master-remainders"],
+            ("max_rank_bytes", "master"),
+        ),
+    ],
+    ids=["comm-dtype-halves-gradient-traffic", "remainders-halve-master-bytes"],
+)
+def test_a_wire_or_remainder_flag_halves_its_bytes_in_the_shardopt_rows_only(
+    base, flag, halved, capsys
+):
+    argv = ["plan", "gpt2-small", "-w", "4", "--stage", "0", "1", "2", "--strategy", "flat"]
+    results = []
+    for extra in ([], flag):
+        assert main([*argv, *base, *extra, "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out)["results"])
+    (ddp, *before), (ddp_again, *after) = results
+    assert ddp == ddp_again  # DDP's all-reduce and torch.optim's state: unchanged
+    section, key = halved
+    for old, new in zip(before, after):
+        assert new[section][key] * 2 == old[section][key] > 0, old["label"]
+        # the parameters' gathers and the other state are as they were
+        assert new["traffic"]["all_gather_bytes"] == old["traffic"]["all_gather_bytes"]
+        for column in ("params", "grads", "optimizer"):
+            assert new["max_rank_bytes"][column] == old["max_rank_bytes"][column], column
+
+
+def test_bfloat16_everything_holds_2_plus_8_over_w_bytes_per_parameter_beside_staging(capsys):
+    """bfloat16 parameters (2 bytes), and per owned element a bfloat16 gradient shard (2), two
+    bfloat16 moments (2 + 2) and a 16-bit remainder of the float32 master (2)."""
+    argv = ["plan", "gpt2-small", "-w", "8", "64", "--stage", "2", "--strategy", "flat"]
+    flags = ["--dtype", "bfloat16", "--master-dtype", "float32", "--state-dtype", "bfloat16"]
+    assert main([*argv, *flags, "--comm-dtype", "bfloat16", "--master-remainders"]) == 0
+    table = capsys.readouterr().out
+    params = load_params("gpt2-small", torch.bfloat16)
+    for w in (8, 64):
+        p = predict(
+            params,
+            w,
+            2,
+            master_dtype=F32,
+            state_dtype=BF16,
+            bucket_numel=DEFAULT_BUCKET_NUMEL,
+            comm_dtype=BF16,
+            master_remainders=True,
+        )
+        top = max(p.ranks, key=lambda r: r.total)
+        held = (top.total - top.buffers) / 124_439_808
+        assert held == pytest.approx(2 + 8 / w, rel=1e-3), w  # padding and counts aside
+        row = table.split(f"world size {w}\n")[1].splitlines()[1].split()
+        assert row[-4] == f"{top.total / 124_439_808:.3f}", row  # the B/param column
+
+
 def test_plan_reads_a_json_of_shapes_and_a_factory(tmp_path, capsys):
     path = tmp_path / "shapes.json"
     path.write_text(json.dumps([[3, 4], [[5], "bfloat16"], {"shape": [2], "trainable": False}]))
@@ -236,6 +333,19 @@ def test_plan_reads_a_json_of_shapes_and_a_factory(tmp_path, capsys):
         (["plan", "shardopt.testing:no_such_factory"], "cannot load the factory"),
         (["plan", "missing.json"], "cannot read missing.json"),
         (["plan", "gpt2-small", "--bucket-numel", "-1"], "expected --bucket-numel >= 0"),
+        (
+            ["plan", "gpt2-small", "--dtype", "bfloat16", "--master-remainders"],
+            "expected --master-remainders with --master-dtype float32",
+        ),
+        (
+            ["plan", "gpt2-small", "--master-dtype", "float32", "--master-remainders"],
+            "expected --master-remainders with bfloat16 parameters (e.g. --dtype bfloat16), "
+            "got float32",
+        ),
+        (
+            ["plan", "gpt2-xl", "--dtype=float16", "--master-dtype=float32", "--master-remainders"],
+            "expected --master-remainders with bfloat16 parameters",
+        ),
         (["demo", "--backend", "nccl", "--world-size", "9999"], "expected --backend nccl only"),
     ],
 )

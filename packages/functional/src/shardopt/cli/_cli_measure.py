@@ -77,7 +77,7 @@ def measure_sharded(params: Iterable[torch.Tensor], state: Any) -> RankBytes:
         params=storage_bytes(params),
         grads=storage_bytes([p.grad for p in params]) + storage_bytes(shards),
         optimizer=storage_bytes(_tensor_leaves((state.inner, [f.buffers for f in state.fields]))),
-        master=storage_bytes(state.master),
+        master=storage_bytes(state.master.stored),  # int16 where remainders: 2 bytes each
         buffers=storage_bytes(state.layout.staging),
     )
 

@@ -20,7 +20,8 @@ MAX_WORLD_SIZE = 4096
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ASSUMPTIONS = (
     "optimizer: Adam/AdamW, 2 moments + a float32 step per tensor; frozen params: replicated",
-    "bytes: tensors each rank holds between steps, max over ranks (activations not counted)",
+    "bytes: tensors each rank holds between steps, max over ranks (activations not counted); "
+    "B/param: the total per parameter of the model",
     "DDP: torch.optim.AdamW, gradient_as_bucket_view=True (no second gradient copy)",
     "stage 1: local gradients kept, reduce-scatter into 1/W shards + all-gather of the buckets",
     "stage 2: as stage 1, full gradients freed as they are packed (1/W gradient memory)",
@@ -36,6 +37,11 @@ _CALLS = {
     "exchange": "one broadcast per owner and one all-to-all per bucket; one reduce per owner where "
     "shards are unequal (--algorithm exchange: shard()'s choice for CPU tensors on gloo)",
 }
+_WIRE = (
+    "--comm-dtype {comm}: shardopt's gradients staged and sent in {comm}, one all-to-all per "
+    "bucket, summed in float32 (or their dtype, if wider) by their owner, into a scratch of W x "
+    "the bucket's largest shard; across replicas an all-gather of {comm} shards (DDP: unchanged)"
+)
 _COLUMNS = ("params", "grads", "optimizer", "master", "buffers", "total")
 
 
@@ -76,9 +82,12 @@ def plan_report(
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     algorithm: str = "collective",
     meshes: Sequence[tuple[int, int]] = (),
+    comm_dtype: torch.dtype | None = None,
+    master_remainders: bool = False,
 ) -> list[Prediction]:
     """Every requested stage and strategy at every world size, then on every (replicas,
-    shards) mesh (hybrid sharding; DDP over all its ranks), in that order.
+    shards) mesh (hybrid sharding; DDP over all its ranks), in that order. ``comm_dtype`` and
+    ``master_remainders`` are shard()'s, for the shardopt rows only.
 
     Example:
         >>> from shardopt.core import TensorSpec
@@ -101,36 +110,50 @@ def plan_report(
             bucket_numel=bucket_numel,
             algorithm=algorithm,
             replicas=r,
+            comm_dtype=comm_dtype,
+            master_remainders=master_remainders,
         )
         for r, s in worlds
         for stage, strategy in _rows(stages, strategies)
     ]
 
 
-def _row(p: Prediction, mesh: bool = False) -> list[str]:
+def _row(p: Prediction, parameters: int, mesh: bool = False) -> list[str]:
     top = p.max_rank()
     totals = max(r.total for r in p.ranks)
     cells = [getattr(top, c) for c in _COLUMNS[:-1]] + [totals]
     sent = p.traffic.sent(p.world_size)
-    row = [p.label, *map(format_bytes, cells), f"{p.imbalance:.3f}", format_bytes(sent)]
+    per = f"{totals / parameters:.3f}"
+    row = [p.label, *map(format_bytes, cells), per, f"{p.imbalance:.3f}", format_bytes(sent)]
     if mesh:
         row.append("-" if p.stage == DDP else format_bytes(p.replica_sent))
     return row
 
 
-def assumptions(algorithm: str) -> list[str]:
+def assumptions(algorithm: str, comm_dtype: str | None = None) -> list[str]:
     """The assumptions of the predictions, one line each."""
     calls = _CALLS[algorithm]
-    return [a.format(calls=calls) for a in _ASSUMPTIONS]
+    lines = [a.format(calls=calls) for a in _ASSUMPTIONS]
+    if comm_dtype is not None:
+        lines.append(_WIRE.format(comm=comm_dtype))
+    return lines
 
 
-def render_table(title: str, predictions: Sequence[Prediction], algorithm: str) -> str:
-    """The predictions as text: one section per world size, one row per stage and strategy."""
+def render_table(
+    title: str,
+    predictions: Sequence[Prediction],
+    algorithm: str,
+    comm_dtype: str | None = None,
+    *,
+    parameters: int,
+) -> str:
+    """The predictions as text: one section per world size, one row per stage and strategy
+    (``B/param``: the total over the model's ``parameters``)."""
     lines = [title]
-    for a in assumptions(algorithm):
+    for a in assumptions(algorithm, comm_dtype):
         lines.extend(textwrap.wrap(a, 98, initial_indent="  ", subsequent_indent="    "))
     for replicas, ranks in dict.fromkeys(p.section for p in predictions):
-        header = ["stage", *_COLUMNS, "imbalance", "sent/step"]
+        header = ["stage", *_COLUMNS, "B/param", "imbalance", "sent/step"]
         lines.append(f"\nworld size {ranks}")
         if replicas > 1:
             header[-1] = "sent/step in a shard group"
@@ -140,7 +163,7 @@ def render_table(title: str, predictions: Sequence[Prediction], algorithm: str) 
                 f"({replicas * ranks} ranks; DDP: a ring over all of them)"
             )
         section = [p for p in predictions if p.section == (replicas, ranks)]
-        rows = [header] + [_row(p, replicas > 1) for p in section]
+        rows = [header] + [_row(p, parameters, replicas > 1) for p in section]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for r in rows:
             cells = [r[0].ljust(widths[0])] + [c.rjust(n) for c, n in zip(r[1:], widths[1:])]
@@ -149,7 +172,11 @@ def render_table(title: str, predictions: Sequence[Prediction], algorithm: str) 
 
 
 def _as_json(
-    source: str, params: Sequence[ParamSpec], predictions: Sequence[Prediction], algorithm: str
+    source: str,
+    params: Sequence[ParamSpec],
+    predictions: Sequence[Prediction],
+    algorithm: str,
+    comm_dtype: str | None,
 ) -> Any:
     def entry(p: Prediction) -> dict[str, Any]:
         top = p.max_rank()
@@ -179,7 +206,7 @@ def _as_json(
         "parameters": sum(p.spec.numel for p in params),
         "trainable": sum(p.spec.numel for p in params if p.trainable),
         "tensors": len(params),
-        "assumptions": assumptions(algorithm),
+        "assumptions": assumptions(algorithm, comm_dtype),
         "results": [entry(p) for p in predictions],
     }
 
@@ -194,7 +221,21 @@ def run_plan(args: argparse.Namespace) -> int:
             f"plan: expected --bucket-numel >= 0 (0: one bucket per group), got {args.bucket_numel}"
         )
     bucket = None if args.bucket_numel == 0 else args.bucket_numel
+    comm = None if args.comm_dtype is None else getattr(torch, args.comm_dtype)
+    if args.master_remainders and master is not torch.float32:
+        raise ValueError(
+            "plan: expected --master-remainders with --master-dtype float32 (a remainder completes "
+            f"a bfloat16 parameter to its float32 master), got --master-dtype {args.master_dtype}"
+        )
     params = load_params(args.source, dtype)
+    if args.master_remainders and not any(
+        p.trainable and p.spec.dtype == "bfloat16" for p in params
+    ):
+        found = ", ".join(sorted({p.spec.dtype for p in params if p.trainable}))
+        raise ValueError(
+            "plan: expected --master-remainders with bfloat16 parameters (e.g. --dtype bfloat16), "
+            f"got {found}"
+        )
     predictions = plan_report(
         params,
         args.world_size,
@@ -205,9 +246,12 @@ def run_plan(args: argparse.Namespace) -> int:
         bucket_numel=bucket,
         algorithm=args.algorithm,
         meshes=args.mesh,
+        comm_dtype=comm,
+        master_remainders=args.master_remainders,
     )
     if args.json:
-        print(json.dumps(_as_json(args.source, params, predictions, args.algorithm), indent=2))
+        data = _as_json(args.source, params, predictions, args.algorithm, args.comm_dtype)
+        print(json.dumps(data, indent=2))
         return 0
     total = sum(p.spec.numel for p in params)
     trainable = sum(p.spec.numel for p in params if p.trainable)
@@ -216,9 +260,11 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{args.source}: {len(params)} tensors, {total:,} parameters ({trainable:,} trainable), "
         f"{dtypes}"
         + (f", {args.master_dtype} master weights" if master else "")
+        + (" (bfloat16 ones as 16-bit remainders)" if args.master_remainders else "")
         + (f", {args.state_dtype} optimizer state (shardopt rows)" if state else "")
+        + (f", {args.comm_dtype} gradients on the wire (shardopt rows)" if comm else "")
     )
-    print(render_table(title, predictions, args.algorithm))
+    print(render_table(title, predictions, args.algorithm, args.comm_dtype, parameters=total))
     return 0
 
 
@@ -292,6 +338,19 @@ def _add_dtype_options(p: argparse.ArgumentParser) -> None:
         choices=_DTYPES,
         help="optimizer state dtype of the shardopt rows (core's with_state_dtype), e.g. "
         "bfloat16 moments beside float32 parameters or masters",
+    )
+    p.add_argument(
+        "--comm-dtype",
+        choices=("float32", "bfloat16"),
+        help="shard()'s comm_dtype for the shardopt rows: gradients staged and sent in this "
+        "dtype, summed in float32 by their owner (default: none, their own or reduce dtype)",
+    )
+    p.add_argument(
+        "--master-remainders",
+        action="store_true",
+        help="shard()'s master_remainders for the shardopt rows: with --dtype bfloat16 and "
+        "--master-dtype float32, each owned master is its bfloat16 parameter plus a 16-bit "
+        "remainder (2 bytes instead of 4)",
     )
     p.add_argument(
         "--bucket-numel",

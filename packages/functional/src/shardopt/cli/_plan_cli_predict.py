@@ -106,23 +106,36 @@ def predict(
     algorithm: str = "collective",
     grads_averaged: bool = False,
     replicas: int = 1,
+    comm_dtype: torch.dtype | None = None,
+    master_remainders: bool = False,
 ) -> Prediction:
     """The exact per-rank bytes and per-step traffic of ``stage`` (0: DDP; see [Note: what plan
     predicts]).
 
     ``strategy``, ``align`` and ``bucket_numel`` are ``plan_partition``'s (ignored for DDP);
-    ``master_dtype``, ``grads_averaged`` and ``algorithm`` (``"collective"`` or ``"exchange"``,
-    not ``"auto"``) ``shard``'s; ``state_dtype`` that of the moments under core's
-    ``with_state_dtype`` (sharded rows only: DDP's torch.optim keeps them in the parameters' or
-    master dtype). ``replicas > 1``: hybrid sharding over a mesh of ``replicas`` x
+    ``master_dtype``, ``grads_averaged``, ``comm_dtype``, ``master_remainders`` and
+    ``algorithm`` (``"collective"`` or ``"exchange"``, not ``"auto"``) ``shard``'s;
+    ``state_dtype`` that of the moments under core's ``with_state_dtype`` (sharded rows only:
+    DDP's torch.optim keeps them in the parameters' or master dtype, and DDP's all-reduce is
+    in the gradients' dtype). ``replicas > 1``: hybrid sharding over a mesh of ``replicas`` x
     ``world_size`` ranks (shardopt.functional's [Note: hybrid sharding]); ``traffic`` is then
-    that of the "shard" groups and ``replica_sent`` what a rank sends to the other replicas.
+    that of the "shard" groups and ``replica_sent`` what a rank sends to the other replicas:
+    a ring all-reduce of its gradient shards, 2 (R - 1) / R of them, or with a ``comm_dtype``
+    an all-gather of them in that dtype, R - 1 of them.
 
     Example:
         >>> params = [ParamSpec("w", TensorSpec((10, 10), "float32", "cpu"))]
         >>> p = predict(params, 4, 2)
         >>> p.ranks[0], p.traffic.sent(4)
         (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
+
+        Across R replicas of those 4 ranks, a rank's 128 bytes of gradient shard are
+        all-reduced (2 (R - 1) / R of them sent), or in bfloat16 all-gathered (R - 1 shards of
+        64 bytes in): half the bytes at R = 2, the same at R = 4, more beyond:
+
+        >>> [[predict(params, 4, 2, replicas=r, comm_dtype=c).replica_sent
+        ...   for c in (None, torch.bfloat16)] for r in (2, 4, 8)]
+        [[128, 64], [192, 192], [224, 448]]
     """
     if algorithm not in ("collective", "exchange"):
         raise ValueError(f"plan: expected algorithm collective or exchange, got {algorithm!r}")
@@ -146,13 +159,18 @@ def predict(
         state_dtype=state_dtype,
         algorithm=algorithm,
         frozen_bytes=sum(p.spec.nbytes for p in params if not p.trainable),
+        comm_dtype=comm_dtype,
+        master_remainders=master_remainders,
     )
     if grads_averaged:  # DDP's all-reduce, before a stage 1 step that takes its gradients
         traffic = dataclasses.replace(traffic, all_reduce=sum(s.nbytes for s in trainable))
     across = 0
     if replicas > 1 and not grads_averaged:
-        shard_bytes = max(replica_bytes(plan, r) for r in range(world_size))
-        across = Traffic(shard_bytes, 0, 0, 0).sent(replicas)  # a ring all-reduce
+        shard = max(replica_bytes(plan, r, comm_dtype=comm_dtype) for r in range(world_size))
+        if comm_dtype is None:  # a ring all-reduce of the shard
+            across = Traffic(shard, 0, 0, 0).sent(replicas)
+        else:  # a ring all-gather of R shards (its output): R - 1 of them in per rank
+            across = Traffic(0, 0, replicas * shard, 0).sent(replicas)
     return Prediction(
         stage, plan.strategy.value, world_size, ranks, traffic, plan.imbalance(), replicas, across
     )

@@ -21,17 +21,27 @@ __all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
 #   whole;
 # - grads: the full local ``.grad`` of every trainable parameter where they are kept (stage 1),
 #   plus the compact gradient shards (``shard_numels[rank]`` elements per group, in
-#   ``reduce_dtype`` or the group's dtype) where gradients are reduced (stage 2; stage 1 unless
-#   ``grads_averaged``);
+#   ``reduce_dtype`` or the group's dtype, whatever ``comm_dtype``) where gradients are reduced
+#   (stage 2; stage 1 unless ``grads_averaged``);
 # - optimizer: two moments per compact shard element (in ``state_dtype`` where set, core's
 #   ``with_state_dtype``; else in the master dtype where set) and one float32 count per piece;
-# - master: the compact master shards of the lower-precision groups;
+# - master: the compact master shards of the lower-precision groups; with ``master_remainders``
+#   a bfloat16 group under a float32 master keeps an int16 remainder per owned element, 2 bytes
+#   instead of 4 (float16 groups keep float32 masters; [Note: master remainders]);
 # - buffers: the gradient staging (``staging_numel`` per group, the all-to-all's scratch
-#   included under EXCHANGE) where gradients are reduced.
+#   included under EXCHANGE) where gradients are reduced, in ``comm_dtype``, else in
+#   ``reduce_dtype`` or the group's dtype. With a ``comm_dtype`` the staging is ``widened``
+#   ([Note: wire dtype]): each slot holds a bucket and a scratch of W times its largest shard.
 # Per step each bucket is reduced (where gradients are reduced) and gathered once: the bytes
-# handed to the calls are the bucket's bytes whatever the calls, and the number of calls is
-# ``bucket_calls`` (one all-gather, reduce-scatter or all-to-all, or one broadcast or reduce
-# per owner).
+# handed to the calls are the bucket's bytes whatever the calls (in ``comm_dtype`` where set,
+# else in ``reduce_dtype`` or the group's dtype), and the number of calls is ``bucket_calls``
+# (one all-gather, reduce-scatter or all-to-all, or one broadcast or reduce per owner; with a
+# ``comm_dtype`` one all-to-all per bucket, whatever the algorithm and the shards).
+# On a hybrid mesh the replicas' step moves each rank's gradient shard once per step
+# (``replica_bytes``): an all-reduce of it (counted by its input, the shard), or with a
+# ``comm_dtype`` an all-gather of it cast to ``comm_dtype`` (counted, as every all-gather, by its
+# output: R times the shard over R replicas; with ring algorithms each rank receives R - 1
+# shards, against 2 (R - 1) / R shards of the all-reduce).
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +125,15 @@ def layout_cost(
     state_dtype: torch.dtype | None = None,
     algorithm: Algorithm | str = Algorithm.COLLECTIVE,
     frozen_bytes: int = 0,
+    comm_dtype: torch.dtype | None = None,
+    master_remainders: bool = False,
 ) -> tuple[tuple[RankBytes, ...], Traffic]:
     """Per rank, the bytes held by ``shard(adam, plan, stage=..., ...)``; per step, its traffic.
 
     ``algorithm`` is the concrete one (``"collective"`` or ``"exchange"``, as ``"auto"``
     resolves on the ranks' backend); ``state_dtype`` that of Adam's moments under core's
-    ``with_state_dtype`` (None: the master's, else the parameters'). See [Note: cost of a layout].
+    ``with_state_dtype`` (None: the master's, else the parameters'); ``comm_dtype`` and
+    ``master_remainders`` are ``shard``'s. See [Note: cost of a layout].
 
     Example:
         >>> from shardopt.core import plan_partition
@@ -128,6 +141,18 @@ def layout_cost(
         >>> ranks, traffic = layout_cost(plan, stage=2)
         >>> ranks[0], traffic.sent(4)
         (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
+
+        In bfloat16 on the wire, the staging (128 elements and a scratch of 4 x 32) is 512
+        bytes, and half the gradient bytes travel; a bfloat16 group's remainders cost 2 bytes
+        per owned element:
+
+        >>> ranks, traffic = layout_cost(plan, stage=2, comm_dtype=torch.bfloat16)
+        >>> ranks[0].buffers, traffic.reduce_scatter, traffic.all_gather
+        (512, 256, 512)
+        >>> bf16 = plan_partition([((10, 10), "bfloat16")], 4)
+        >>> [layout_cost(bf16, master_dtype=torch.float32, master_remainders=r)[0][0].master
+        ...  for r in (False, True)]
+        [128, 64]
     """
     algo = Algorithm(algorithm)
     if algo is Algorithm.AUTO:
@@ -137,15 +162,55 @@ def layout_cost(
             f"layout_cost: expected stage 1, or stage 2 without grads_averaged, got stage "
             f"{stage!r} with grads_averaged={grads_averaged!r}"
         )
-    reduces = not grads_averaged
+    if comm_dtype is not None and grads_averaged:
+        raise ValueError(
+            f"layout_cost: expected comm_dtype=None with grads_averaged=True (nothing is "
+            f"reduced), got {comm_dtype!r}"
+        )
+    if master_remainders and master_dtype is not torch.float32:
+        raise ValueError(
+            "layout_cost: expected master_dtype=torch.float32 with master_remainders=True, got "
+            f"master_dtype={master_dtype!r}"
+        )
+    reduces, widened = not grads_averaged, comm_dtype is not None
     pieces = _pieces_per_rank(plan)
     held = (frozen_bytes, sum(t.nbytes for t in plan.tensors) if stage == 1 else 0)
-    staging = [staging_numel(plan, g, algo) for g in range(len(plan.groups))] if reduces else None
+    staging = None
+    if reduces:
+        staging = [staging_numel(plan, g, algo, widened=widened) for g in range(len(plan.groups))]
+    dtypes = _Dtypes(master_dtype, reduce_dtype, state_dtype, comm_dtype, master_remainders)
     ranks = tuple(
-        _rank_bytes(plan, r, pieces, staging, (master_dtype, reduce_dtype, state_dtype), held)
-        for r in range(plan.world_size)
+        _rank_bytes(plan, r, pieces, staging, dtypes, held) for r in range(plan.world_size)
     )
-    return ranks, _traffic(plan, reduces, reduce_dtype, algo)
+    return ranks, _traffic(plan, reduces, dtypes, algo)
+
+
+@dataclass(frozen=True, slots=True)
+class _Dtypes:
+    """The dtypes (and the remainders option) of a layout's cost: ``layout_cost``'s."""
+
+    master: torch.dtype | None
+    reduce: torch.dtype | None
+    state: torch.dtype | None
+    comm: torch.dtype | None
+    remainders: bool
+
+    def master_itemsize(self, dtype: str) -> int:
+        """Bytes per owned element of the master of a group of ``dtype`` (0: none)."""
+        m = _master_dtype(dtype, self.master)
+        if m is None:
+            return 0
+        if self.remainders and m is torch.float32 and dtype == "bfloat16":
+            return torch.int16.itemsize  # the parameter plus this remainder is the master
+        return m.itemsize
+
+    def reduce_itemsize(self, dtype: str) -> int:
+        """Bytes per element of a group of ``dtype``'s gradient shards."""
+        return self.reduce.itemsize if self.reduce is not None else itemsize(dtype)
+
+    def wire_itemsize(self, dtype: str) -> int:
+        """Bytes per element of a group of ``dtype``'s gradient staging (and wire)."""
+        return self.comm.itemsize if self.comm is not None else self.reduce_itemsize(dtype)
 
 
 def _rank_bytes(
@@ -153,58 +218,68 @@ def _rank_bytes(
     rank: int,
     pieces: list[list[int]],
     staging: list[int] | None,
-    dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None],
+    dtypes: _Dtypes,
     held: tuple[int, int],
 ) -> RankBytes:
-    """``dtypes``: master, reduce and state dtypes; ``held``: the frozen parameters' bytes and
-    the full gradients' (stage 1)."""
-    master_dtype, reduce_dtype, state_dtype = dtypes
+    """``held``: the frozen parameters' bytes and the full gradients' (stage 1)."""
     (params, grads), optimizer, master, buffers = held, 0, 0, 0
     for g, group in enumerate(plan.groups):
         size = itemsize(group.dtype)
         shard = group.shard_numels[rank]
-        m = _master_dtype(group.dtype, master_dtype)
-        reduce_size = reduce_dtype.itemsize if reduce_dtype is not None else size
-        moment = state_dtype or m or getattr(torch, group.dtype)
+        m = _master_dtype(group.dtype, dtypes.master)
+        moment = dtypes.state or m or getattr(torch, group.dtype)
         params += group.numel * size
         optimizer += 2 * shard * moment.itemsize + 4 * pieces[g][rank]  # mu, nu; the counts
-        master += shard * m.itemsize if m is not None else 0
+        master += shard * dtypes.master_itemsize(group.dtype)
         if staging is not None:  # gradients are reduced
-            grads += shard * reduce_size
-            buffers += staging[g] * reduce_size
+            grads += shard * dtypes.reduce_itemsize(group.dtype)
+            buffers += staging[g] * dtypes.wire_itemsize(group.dtype)
     return RankBytes(params, grads, optimizer, master, buffers)
 
 
-def _traffic(
-    plan: Plan, reduces: bool, reduce_dtype: torch.dtype | None, algo: Algorithm
-) -> Traffic:
+def _traffic(plan: Plan, reduces: bool, dtypes: _Dtypes, algo: Algorithm) -> Traffic:
     if plan.world_size == 1:
         return Traffic(0, 0, 0, 0)
     gathered = reduced = calls = 0
+    widened = dtypes.comm is not None
     for group in plan.groups:
         size = itemsize(group.dtype)
-        reduce_size = reduce_dtype.itemsize if reduce_dtype is not None else size
+        wire = dtypes.wire_itemsize(group.dtype)
         for bucket in group.buckets:
             gathered += bucket.numel * size
             calls += bucket_calls(bucket, algo)
             if reduces:
-                reduced += bucket.numel * reduce_size
-                calls += bucket_calls(bucket, algo, reduce=True)
+                reduced += bucket.numel * wire
+                calls += bucket_calls(bucket, algo, reduce=True, widened=widened)
     return Traffic(0, reduced, gathered, calls)
 
 
-def replica_bytes(plan: Plan, rank: int, *, reduce_dtype: torch.dtype | None = None) -> int:
-    """Bytes ``rank`` hands to the replicas' all-reduces per step under hybrid sharding, where
-    the plan is of the "shard" dim and gradients are reduced ([Note: hybrid sharding]): its
-    gradient shards, one all-reduce per bucket.
+def replica_bytes(
+    plan: Plan,
+    rank: int,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None,
+) -> int:
+    """Bytes of the gradient shards ``rank`` hands to the replicas' step per step under hybrid
+    sharding, where the plan is of the "shard" dim and gradients are reduced ([Note: hybrid
+    sharding]): one call per bucket, in ``reduce_dtype`` or the group's dtype (all-reduces), or
+    in ``comm_dtype`` where set (all-gathers, [Note: wire dtype]).
+
+    This is what the rank's calls read, as a counted all-reduce's bytes (its input); an
+    all-gather is counted by its output, R times this over R replicas. With ring algorithms a
+    rank sends (and receives) 2 (R - 1) / R times this in all-reduces, R - 1 times it in
+    all-gathers (see [Note: cost of a layout]).
 
     Example:
         >>> from shardopt.core import plan_partition
-        >>> replica_bytes(plan_partition([((10, 10), "float32")], 4), 0)  # 4 x 32 (aligned)
-        128
+        >>> plan = plan_partition([((10, 10), "float32")], 4)
+        >>> replica_bytes(plan, 0), replica_bytes(plan, 0, comm_dtype=torch.bfloat16)  # 32 each
+        (128, 64)
     """
     total = 0
     for group in plan.groups:
-        size = reduce_dtype.itemsize if reduce_dtype is not None else itemsize(group.dtype)
+        dtype = comm_dtype or reduce_dtype
+        size = dtype.itemsize if dtype is not None else itemsize(group.dtype)
         total += group.shard_numels[rank] * size
     return total

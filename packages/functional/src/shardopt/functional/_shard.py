@@ -30,6 +30,7 @@ from shardopt.functional.engine._collectives import Algorithm, ProcessGroup
 from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._hooks import GradReducer
 from shardopt.functional.engine._layout import FlatLayout, build_layout
+from shardopt.functional.engine._masters import Masters, build_masters
 from shardopt.functional.engine._mesh import (
     MeshGroups,
     global_places,
@@ -80,6 +81,8 @@ class ShardOptions:
     max_norm: float | None = None
     skip_nonfinite: bool = False
     algorithm: Algorithm | str = Algorithm.AUTO
+    comm_dtype: torch.dtype | None = None
+    master_remainders: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -92,15 +95,17 @@ class ShardOptions:
                 "shard: expected grads_averaged=False with stage=2 (stage 2 reduce-scatters local "
                 "gradients itself), got grads_averaged=True"
             )
-        for name in ("master_dtype", "reduce_dtype"):
+        for name in ("master_dtype", "reduce_dtype", "comm_dtype"):
             m = getattr(self, name)
             if m is not None and (not isinstance(m, torch.dtype) or not m.is_floating_point):
                 raise ValueError(f"shard: expected {name} None or a float dtype, got {m!r}")
-        if self.reduce_dtype is not None and self.grads_averaged:
-            raise ValueError(
-                "shard: expected reduce_dtype=None with grads_averaged=True (nothing is "
-                f"reduced), got {self.reduce_dtype!r}"
-            )
+        for name in ("reduce_dtype", "comm_dtype"):
+            if getattr(self, name) is not None and self.grads_averaged:
+                raise ValueError(
+                    f"shard: expected {name}=None with grads_averaged=True (nothing is "
+                    f"reduced), got {getattr(self, name)!r}"
+                )
+        self._check_remainders()
         c = self.max_norm
         if c is not None and not (isinstance(c, (int, float)) and c > 0):
             raise ValueError(f"shard: expected max_norm None or > 0, got {c!r}")
@@ -108,6 +113,18 @@ class ShardOptions:
         if self.algorithm not in names:
             raise ValueError(f"shard: expected algorithm in {names}, got {self.algorithm!r}")
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+
+    def _check_remainders(self) -> None:
+        if type(self.master_remainders) is not bool:
+            raise ValueError(
+                f"shard: expected master_remainders a bool, got {self.master_remainders!r}"
+            )
+        if self.master_remainders and self.master_dtype is not torch.float32:
+            raise ValueError(
+                "shard: expected master_dtype=torch.float32 with master_remainders=True (a "
+                "remainder completes a bfloat16 parameter to its float32 master), got "
+                f"master_dtype={self.master_dtype!r}"
+            )
 
     @property
     def reduces(self) -> bool:
@@ -146,6 +163,8 @@ def shard(
     max_norm: float | None = None,
     skip_nonfinite: bool = False,
     algorithm: str = "auto",
+    comm_dtype: torch.dtype | None = None,
+    master_remainders: bool = False,
 ) -> ShardedTransformation:
     """Partitions ``tx`` over the ranks of ``group`` as ``plan`` says (ZeRO stage 1 or 2).
 
@@ -189,6 +208,12 @@ def shard(
         max_norm: clip the gradient to this global norm (the norm of the full gradient).
         skip_nonfinite: if any rank finds an inf or nan gradient, every rank skips the step
             (``state.stats.skipped``), e.g. under a gradient scaler.
+        comm_dtype: e.g. ``torch.bfloat16``: gradients travel in this dtype and their owner
+            sums them in float32 (in ``reduce_dtype`` where given), so each element is rounded
+            once, not at every hop (see [Note: wire dtype]).
+        master_remainders: with bfloat16 parameters and ``master_dtype=torch.float32``: keep
+            each owned element's master as its bfloat16 parameter plus a 16-bit remainder,
+            reconstructed exactly for each update (see [Note: master remainders]).
         algorithm: ``"collective"`` (all-gather and reduce-scatter calls), ``"exchange"``
             (per-owner broadcasts, and an all-to-all summed by each owner) or ``"auto"``
             (exchange for CPU tensors under gloo, where it is faster); see
@@ -208,7 +233,15 @@ def shard(
         >>> dist.destroy_process_group()
     """
     opts = ShardOptions(
-        stage, grads_averaged, master_dtype, reduce_dtype, max_norm, skip_nonfinite, algorithm
+        stage,
+        grads_averaged,
+        master_dtype,
+        reduce_dtype,
+        max_norm,
+        skip_nonfinite,
+        algorithm,
+        comm_dtype,
+        master_remainders,
     )
     groups = mesh_groups("shard", group)
 
@@ -271,14 +304,14 @@ def _init(
         group=group,
         algorithm=opts.algorithm,
         reduce_dtype=opts.reduce_dtype,
+        comm_dtype=opts.comm_dtype,
         replicate=groups.replicate if opts.reduces else None,
     )
     layout.sync_params()
-    master = tuple(
-        None if m is None else layout.copy_shard_out(g).to(m)
-        for g, m in enumerate(opts.master_for(buf.dtype) for buf in layout.buffers)
-    )
-    shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(master)]
+    wanted = [opts.master_for(buf.dtype) for buf in layout.buffers]
+    master = build_masters(layout, wanted, opts.master_remainders)  # [Note: master weights]
+    fulls = master.fulls()  # float32 (a copy of a remainder group's, for init only)
+    shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(fulls)]
     views = layout.piece_views(shards)
     presented = shaped(layout, views) if whole else views
     labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
@@ -397,12 +430,11 @@ def _reduced_grads(
 
 
 def _to_update_dtype(
-    grads: list[torch.Tensor | None], layout: FlatLayout, master: tuple[torch.Tensor | None, ...]
+    grads: list[torch.Tensor | None], layout: FlatLayout, master: Masters
 ) -> list[torch.Tensor | None]:
     """The gradients in the dtype of what they update: master weights, else the parameters."""
     out = []
     for g, piece in zip(grads, layout.pieces):
-        m = master[piece.group]
-        dtype = layout.buffers[piece.group].dtype if m is None else m.dtype
+        dtype = master.dtype(piece.group) or layout.buffers[piece.group].dtype
         out.append(g if g is None or g.dtype == dtype else g.to(dtype))
     return out

@@ -14,6 +14,7 @@ from shardopt.core import InjectHyperparamsState, Transformation
 from shardopt.core.blocks import needs_whole_tensors, partition_rule
 from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._masters import Masters
 
 __all__ = [
     "FieldKind",
@@ -39,7 +40,7 @@ __all__ = [
 #   the full flat parameter buffer of ``plan.groups[g]`` (the parameters are views of it),
 #   ``pieces = plan.pieces(rank)``, the gradient shards and the collectives in flight.
 # - ``inner``: ``tx.init(pieces)`` where ``pieces`` is the list of this rank's pieces as 1-D views
-#   (of ``master[g]`` where that is set, of the parameter buffer otherwise). Piece
+#   (of ``master.full(g)`` where that is set, of the parameter buffer otherwise). Piece
 #   k of the list is ``layout.pieces[k]``. Its per-piece lists (the "fields", e.g. the ``mu`` of
 #   Adam, a list with one tensor per piece) are re-pointed into flat storage:
 # - ``fields``: one StateField per field, in ``tree_flatten`` order of ``inner``, with ``path``
@@ -54,8 +55,11 @@ __all__ = [
 #       so a consolidated state takes it from the rank owning the tensor's first element.
 #   The field set, kinds and dtypes are the same on every rank (found by ``probe_fields`` from
 #   the plan, not from the pieces), so ranks owning nothing still hold (zero) buffers.
-# - ``master[g]``: the rank's compact shard of the float32 (``master_dtype``) master weights of
-#   a low precision group, laid out like the ELEMENTWISE fields, or None.
+# - ``master`` (a Masters, [Note: master weights] in engine/_masters.py): ``master[g]`` the
+#   rank's compact shard of the float32 (``master_dtype``) master weights of a low precision
+#   group, laid out like the ELEMENTWISE fields, or None; with ``master_remainders`` a bfloat16
+#   group's is an int16 shard of remainders instead ([Note: master remainders]), and
+#   ``master.full(g)`` gives the float32 masters of either.
 # - ``reducer``: the gradient reducer (hooks; the gradient shards are the layout's) when the
 #   sharded transformation reduces gradients (stage 2; stage 1 without ``grads_averaged``).
 # - ``stats``: the global gradient norm and whether the last step was skipped (or None).
@@ -95,7 +99,7 @@ class ShardedState(NamedTuple):
     inner: Any
     fields: tuple[StateField, ...]
     layout: FlatLayout
-    master: tuple[torch.Tensor | None, ...]
+    master: Masters
     reducer: Any
     stats: StepStats | None
     labels: Labels | None = None

@@ -64,7 +64,7 @@ def _master_error(state: Any, ref: list[torch.Tensor]) -> float:
             m[p.offset : p.offset + p.numel], ref[p.tensor].detach().view(-1)[p.start : p.stop]
         )
         for p in state.layout.pieces
-        if (m := state.master[p.group]) is not None
+        if (m := state.master.full(p.group)) is not None
     ]
     return max(errors, default=float("nan"))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,8 @@ SHARDED_FORMAT = "shardopt.sharded_state_dict/1"
 def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
     """This rank's optimizer state as a plain dict: its flat buffers plus the plan.
 
-    See [Note: checkpoint formats] (form 1). The tensors are the live buffers, not copies:
+    See [Note: checkpoint formats] (form 1). The tensors are the live buffers, not copies
+    (but for masters kept as remainders, given as float32 copies: [Note: master remainders]):
     ``torch.save`` the dict (or clone it) before the next step.
 
     Returns:
@@ -91,7 +92,7 @@ def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
         "fields": {
             f.path: {"kind": f.kind.value, "buffers": list(f.buffers)} for f in state.fields
         },
-        "master": list(state.master),
+        "master": list(state.master.fulls()),  # float32 ([Note: master remainders]: copies)
         "replicated": {path: t for path, t, _ in outside_tensors(state)},
         "hyperparams": saved_hyperparams(state),
     }
@@ -128,18 +129,21 @@ def load_sharded_state_dict(state: ShardedState, sd: Mapping[str, Any]) -> None:
         >>> dist.destroy_process_group()
     """
     api = "load_sharded_state_dict"
-    pairs = _check_sharded(api, state, sd)
+    fulls = state.master.fulls()  # float32 masters, filled by the pairs, then loaded
+    pairs = _check_sharded(api, state, sd, fulls)
     writes = checked_hyperparams(api, state, sd.get("hyperparams", {}), every=True)
     with torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)
+    state.master.load_all(fulls)
     write_hyperparams(writes)
 
 
 def _check_sharded(
-    api: str, state: ShardedState, sd: Mapping[str, Any]
+    api: str, state: ShardedState, sd: Mapping[str, Any], fulls: Sequence[torch.Tensor | None]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (destination, source) tensor pairs of a load, once everything is checked."""
+    """The (destination, source) tensor pairs of a load, once everything is checked (the
+    masters' destinations are ``fulls``, float32 per group)."""
     if not isinstance(sd, Mapping) or sd.get("format") != SHARDED_FORMAT:
         got = sd.get("format") if isinstance(sd, Mapping) else type(sd).__name__
         raise ValueError(f"{api}: expected a dict of format {SHARDED_FORMAT!r}, got {got!r}")
@@ -171,7 +175,7 @@ def _check_sharded(
                 f"got {entry.get('kind')!r}"
             )
         pairs += _tensor_pairs(api, f"fields[{path!r}]", field.buffers, entry.get("buffers"))
-    pairs += _tensor_pairs(api, "master", state.master, sd.get("master"))
+    pairs += _tensor_pairs(api, "master", fulls, sd.get("master"))
     outside = {path: t for path, t, _ in outside_tensors(state)}
     replicated = sd.get("replicated")
     if not isinstance(replicated, Mapping) or set(replicated) != set(outside):

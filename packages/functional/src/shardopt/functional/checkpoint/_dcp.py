@@ -69,9 +69,11 @@ def _optim_dict(
     names: Sequence[str],
     present: Callable[[FieldKeys, int, int], bool],
     masters: Callable[[int], bool],
+    fulls: Sequence[torch.Tensor | None],
 ) -> dict[str, Any]:
     """This rank's DCP dict: ``{"state": {name: {key: tensor}}, "master_weights": {name:
-    tensor}, "replicated": {path: tensor}}`` for the tensors ``present(keys, t, k)`` says."""
+    tensor}, "replicated": {path: tensor}}`` for the tensors ``present(keys, t, k)`` says; the
+    master weights are views of ``fulls`` (``state.master.fulls()``: float32 per group)."""
     layout, plan = state.layout, state.layout.plan
     slots = piece_slots(layout)
     places = _places(state)
@@ -79,7 +81,7 @@ def _optim_dict(
     master_weights: dict[str, torch.Tensor] = {}
     for k, piece in enumerate(layout.pieces):
         t, shape, place = piece.tensor, plan.tensors[piece.tensor].shape, places[piece.tensor]
-        master = state.master[piece.group]
+        master = fulls[piece.group]
         if master is not None and masters(t):
             flat = master[piece.offset : piece.offset + piece.numel]
             master_weights[names[t]] = piece_tensor(shape, piece, flat, place)
@@ -225,7 +227,7 @@ def save_checkpoint(
             keys, None if count is None else piece_value(count, state.layout, k, slots)
         )
 
-    optim = _optim_dict(state, keysets, key_of, present, lambda t: True)
+    optim = _optim_dict(state, keysets, key_of, present, lambda t: True, state.master.fulls())
     hyperparams = saved_hyperparams(state)
     if hyperparams:
         optim["hyperparams"] = hyperparams
@@ -362,7 +364,10 @@ def load_checkpoint(
         dcp.load(hyper_sd, storage_reader=FileSystemReader(source), process_group=group)
         hyperparams = hyper_sd[OPTIM_KEY]["hyperparams"]
     writes = checked_hyperparams(api, state, hyperparams, every=False)  # alike on every rank
-    optim = _optim_dict(state, keysets, key_of, lambda _, t, k: present[t], masters.__getitem__)
+    fulls = state.master.fulls()  # float32 masters, loaded in place ([Note: master weights])
+    optim = _optim_dict(
+        state, keysets, key_of, lambda _, t, k: present[t], masters.__getitem__, fulls
+    )
     sd = {OPTIM_KEY: optim, **(extra or {})}
     dcp.load(sd, storage_reader=FileSystemReader(source), process_group=group)
     write_hyperparams(writes)
@@ -370,9 +375,10 @@ def load_checkpoint(
         extra.update({k: sd[k] for k in extra})
     with torch.no_grad():
         for piece, view in zip(layout.pieces, layout.param_views()):
-            master = state.master[piece.group]
+            master = fulls[piece.group]
             if master is not None and not masters[piece.tensor]:
                 master[piece.offset : piece.offset + piece.numel].copy_(view)
+    state.master.load_all(fulls)  # remainders: their split, parameters included
 
 
 def _fresh_where_absent(

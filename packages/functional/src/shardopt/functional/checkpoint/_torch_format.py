@@ -297,9 +297,7 @@ def load_torch_state_dict(
             for shaped in found.shaped:  # [Note: shaped state]: pieces are whole tensors
                 if (whole := shaped.tensors[k]) is not None:
                     whole.copy_(entry[shaped.key])
-        for g, master in enumerate(state.master):
-            if master is not None:
-                master.copy_(layout.copy_shard_out(g))
+        state.master.reset()  # from the current parameters ([Note: master weights])
 
 
 def _dicts_of(

@@ -31,6 +31,7 @@ __all__ = [
     "reduce_scatter_into",
     "reduce_scratch_numel",
     "resolve_algorithm",
+    "scratch_of",
 ]
 
 
@@ -223,12 +224,17 @@ def exchanges(bucket: Bucket, algorithm: Algorithm) -> bool:
     return bucket.uniform and algorithm is Algorithm.EXCHANGE
 
 
-def reduce_scratch_numel(bucket: Bucket, algorithm: Algorithm) -> int:
-    """Elements of scratch a reduction of ``bucket`` receives into, beside its staging."""
+def reduce_scratch_numel(bucket: Bucket, algorithm: Algorithm, *, widened: bool = False) -> int:
+    """Elements of scratch a reduction of ``bucket`` receives into, beside its staging (a
+    ``widened`` one, [Note: wire dtype]: W copies of the largest shard)."""
+    if widened:
+        return len(bucket.shards) * max(bucket.shards, default=0)
     return bucket.numel if exchanges(bucket, algorithm) else 0
 
 
-def bucket_calls(bucket: Bucket, algorithm: Algorithm, *, reduce: bool = False) -> int:
+def bucket_calls(
+    bucket: Bucket, algorithm: Algorithm, *, reduce: bool = False, widened: bool = False
+) -> int:
     """The calls of one gather (or, with ``reduce``, one reduction) of ``bucket`` under the
     concrete ``algorithm``, in a world of more than one rank.
 
@@ -240,7 +246,7 @@ def bucket_calls(bucket: Bucket, algorithm: Algorithm, *, reduce: bool = False) 
     """
     if bucket.numel == 0:
         return 0
-    if one_call(bucket, algorithm) or (reduce and exchanges(bucket, algorithm)):
+    if one_call(bucket, algorithm) or (reduce and (widened or exchanges(bucket, algorithm))):
         return 1
     return sum(1 for n in bucket.shards if n)
 
@@ -345,7 +351,7 @@ def reduce_scatter_bucket(
         if one_call(bucket, algo):
             work = reduce_scatter_into(mine, staging, group=group, async_op=True)
         elif exchanges(bucket, algo):
-            received = _scratch(scratch, staging)
+            received = scratch_of(scratch, staging)
             work = dist.all_to_all_single(received, staging, group=group, async_op=True)
         else:
             work = _reduce_to_owners(staging, bucket, group)
@@ -366,16 +372,19 @@ def reduce_scatter_bucket(
     return pending
 
 
-def _scratch(scratch: torch.Tensor | None, staging: torch.Tensor) -> torch.Tensor:
-    """``scratch``'s first ``staging.numel()`` elements, or a new buffer of that size."""
+def scratch_of(
+    scratch: torch.Tensor | None, staging: torch.Tensor, numel: int | None = None
+) -> torch.Tensor:
+    """``scratch``'s first ``numel`` elements (default: the staging's), or a new buffer."""
+    n = staging.numel() if numel is None else numel
     if scratch is None:
-        return torch.empty_like(staging)
-    if scratch.numel() < staging.numel() or scratch.dtype != staging.dtype:
+        return staging.new_empty(n)
+    if scratch.numel() < n or scratch.dtype != staging.dtype:
         raise ValueError(
-            f"reduce_scatter_bucket: expected a scratch of at least {staging.numel()} "
+            f"reduce_scatter_bucket: expected a scratch of at least {n} "
             f"{staging.dtype} elements, got {scratch.numel()} {scratch.dtype}"
         )
-    return scratch.view(-1)[: staging.numel()]
+    return scratch.view(-1)[:n]
 
 
 def _reduce_to_owners(staging: torch.Tensor, bucket: Bucket, group: ProcessGroup) -> list[Any]:

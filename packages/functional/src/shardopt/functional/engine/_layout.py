@@ -15,9 +15,8 @@ from shardopt.functional.engine._collectives import (
     Pending,
     PendingQueue,
     ProcessGroup,
-    average_across,
-    reduce_scatter_bucket,
 )
+from shardopt.functional.engine._reduction import PlainReduction, Reduction, WireReduction
 from shardopt.functional.engine._staging import GradStaging
 from shardopt.functional.engine._storage import FlatStorage, ParamStorage, StagedStorage
 
@@ -93,6 +92,7 @@ class FlatLayout(BucketMap):
         group: ProcessGroup = None,
         algorithm: Algorithm | str = Algorithm.AUTO,
         reduce_dtype: torch.dtype | None = None,
+        comm_dtype: torch.dtype | None = None,
         replicate: ProcessGroup | None = None,
         storage: ParamStorage | None = None,
     ) -> None:
@@ -103,10 +103,12 @@ class FlatLayout(BucketMap):
         self._tensor_parallel: Any = None  # see [Note: tensor-parallel norms]
         self._global_places: Any = None  # see [Note: tensor-parallel checkpoints]
         self.reduce_dtype = reduce_dtype
+        self.comm_dtype = comm_dtype  # gradients on the wire ([Note: wire dtype])
         super().__init__(plan, rank, buffers)
         self._storage = storage or FlatStorage(
             plan, self.buffers, group=group, algorithm=self.algorithm
         )
+        self._reduction = self._reduction_for(comm_dtype)  # [Note: wire dtype]
         self.grad_shards: tuple[torch.Tensor | None, ...] = (None,) * len(plan.groups)
         self._grad_staging: GradStaging | None = None
         self._grads = PendingQueue()
@@ -117,6 +119,15 @@ class FlatLayout(BucketMap):
         # The buckets keys[:synced] have no parameter sync in flight (the sync frontier).
         self.synced = len(self.keys)
         self._deferring = 0  # registered param hooks: step leaves its gathers in flight
+
+    def _reduction_for(self, comm_dtype: torch.dtype | None) -> Reduction:
+        """The gradient reduction (chosen once): on a ``comm_dtype`` wire, summed in
+        ``reduce_dtype`` or the wider of float32 and each group's dtype; else plain."""
+        if comm_dtype is None:
+            return PlainReduction(self.group, self.replicate, self.algorithm)
+        dtypes = [getattr(torch, g.dtype) for g in self.plan.groups]
+        sums = tuple(self.reduce_dtype or torch.promote_types(torch.float32, d) for d in dtypes)
+        return WireReduction(self.group, self.replicate, comm_dtype, sums)
 
     def set_places(self, tensor_parallel: Any, global_places: Any) -> None:
         """Where the tensors lie beyond this group (``shard``'s init sets them once): their
@@ -214,9 +225,18 @@ class FlatLayout(BucketMap):
         """Bucket ``key``'s staging, its reduction's scratch (maybe empty) and their tag."""
         if self._grad_staging is None:
             groups = range(len(self.plan.groups))
-            dtypes = tuple(self.reduce_dtype or self.buffers[g].dtype for g in groups)
+            dtypes = tuple(
+                self.comm_dtype or self.reduce_dtype or self.buffers[g].dtype for g in groups
+            )
             devices = tuple(self.buffers[g].device for g in groups)
-            self._grad_staging = GradStaging(self.plan, dtypes, devices, self.algorithm, self.group)
+            self._grad_staging = GradStaging(
+                self.plan,
+                dtypes,
+                devices,
+                self.algorithm,
+                self.group,
+                widened=self._reduction.widened,
+            )
         return self._grad_staging.take(key, self._grads)
 
     def start_grad_sync(
@@ -237,20 +257,12 @@ class FlatLayout(BucketMap):
                 staging[lo : lo + n].copy_(grad.reshape(-1))
         out = self.compact(shards, key)
         part = out if self.replicate is None else torch.empty_like(out)
-        pending = reduce_scatter_bucket(
-            staging,
-            bucket,
-            part,
-            accumulate=accumulate and part is out,
-            group=self.group,
-            async_op=True,
-            algorithm=self.algorithm,
-            scratch=scratch,
+        reduction, g = self._reduction, key[0]
+        pending = reduction.bucket(
+            g, staging, bucket, part, accumulate=accumulate and part is out, scratch=scratch
         )
         if part is not out:
-            pending = average_across(
-                pending, part, out, accumulate=accumulate, group=self.replicate
-            )
+            pending = reduction.across(g, pending, part, out, accumulate=accumulate)
         self._grads.push(tag, pending)
 
     @property
@@ -331,6 +343,7 @@ def build_layout(
     group: ProcessGroup = None,
     algorithm: Algorithm | str = Algorithm.AUTO,
     reduce_dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None,
     replicate: ProcessGroup | None = None,
     storage: str = "flat",
 ) -> FlatLayout:
@@ -370,5 +383,6 @@ def build_layout(
         group=group,
         algorithm=algorithm,
         reduce_dtype=reduce_dtype,
+        comm_dtype=comm_dtype,
         replicate=replicate,
     )

@@ -58,9 +58,11 @@ class GradStaging:
         devices: tuple[torch.device, ...],
         algorithm: Algorithm,
         group: ProcessGroup,
+        *,
+        widened: bool = False,
     ) -> None:
         self.plan, self.dtypes, self.devices = plan, dtypes, devices
-        self.algorithm, self.group = algorithm, group
+        self.algorithm, self.group, self.widened = algorithm, group, widened
         self.oversized = tuple(oversized(plan, g) for g in range(len(plan.groups)))
         self._slots: list[Slots | None] = [None] * len(plan.groups)
 
@@ -77,7 +79,7 @@ class GradStaging:
         bucket = self.plan.groups[g].buckets[key[1]]
         dtype, device = self.dtypes[g], self.devices[g]
         algo = resolve_algorithm(self.algorithm, self.group, device)
-        numel = bucket.numel + reduce_scratch_numel(bucket, algo)
+        numel = bucket.numel + reduce_scratch_numel(bucket, algo, widened=self.widened)
         if key[1] in self.oversized[g]:
             buf = torch.empty(numel, dtype=dtype, device=device)
             return buf[: bucket.numel], buf[bucket.numel :], key
@@ -86,7 +88,7 @@ class GradStaging:
             regular = len(self.plan.groups[g].buckets) - len(self.oversized[g])
             count = 2 if regular > 1 else 1
             like = torch.empty(0, dtype=dtype, device=device)
-            numel_per_row = staging_numel(self.plan, g, algo) // count
+            numel_per_row = staging_numel(self.plan, g, algo, widened=self.widened) // count
             slots = self._slots[g] = Slots(g, count, numel_per_row, like)
         row, tag = slots.take(queue)
         return row[: bucket.numel], row[bucket.numel : numel], tag
@@ -107,11 +109,17 @@ def oversized(plan: Plan, g: int) -> frozenset[int]:
     return frozenset(b for b in big if count[b] == 1)
 
 
-def staging_numel(plan: Plan, g: int, algorithm: Algorithm = Algorithm.COLLECTIVE) -> int:
+def staging_numel(
+    plan: Plan, g: int, algorithm: Algorithm = Algorithm.COLLECTIVE, *, widened: bool = False
+) -> int:
     """Elements of group ``g``'s persistent gradient staging under the concrete ``algorithm``:
     two slots (one if the group has a single bucket), each holding any of its buckets that is
-    not :func:`oversized` with that bucket's reduction scratch (see [Note: gradient staging])."""
+    not :func:`oversized` with that bucket's reduction scratch (see [Note: gradient staging];
+    ``widened``: [Note: wire dtype])."""
     skip = oversized(plan, g)
     buckets = [x for b, x in enumerate(plan.groups[g].buckets) if b not in skip]
-    largest = max((b.numel + reduce_scratch_numel(b, algorithm) for b in buckets), default=0)
+    largest = max(
+        (b.numel + reduce_scratch_numel(b, algorithm, widened=widened) for b in buckets),
+        default=0,
+    )
     return largest * (2 if len(buckets) > 1 else 1)

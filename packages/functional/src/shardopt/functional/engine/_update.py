@@ -13,13 +13,15 @@ from shardopt.core.blocks import needs_whole_tensors, update_whole_, whole_tenso
 from shardopt.functional._state import slice_state
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._masters import Masters
 
 __all__ = ["cut_for_whole", "shaped", "update_and_sync"]
 
 # [Note: update and gather pipeline]
 # The rank's pieces are updated through core's flat fast path (``update_flat_``) one bucket at a
-# time, in bucket order; once a bucket's pieces are updated (and, with master weights, copied
-# into the rank's shard of the parameter buffer) its all-gather is launched, so the gather of
+# time, in bucket order; once a bucket's pieces are updated (and, with master weights, written
+# into the rank's shard of the parameter buffer: [Note: master weights] in _masters.py) its
+# all-gather is launched, so the gather of
 # bucket k runs while the pieces of bucket k + 1 are updated. A piece never straddles buckets
 # (tensors are whole in one bucket), so a piece is updated exactly once and its step count
 # advances once. With ``register_param_hooks`` the gathers are left in flight when step returns
@@ -59,13 +61,6 @@ def _update(
     n = len(params)
     state = inner if (lo, hi) == (0, n) else slice_state(inner, n, lo, hi)
     update_flat_(tx, params[lo:hi], grads[lo:hi], state)
-
-
-def _copy_master(layout: FlatLayout, master: Sequence[torch.Tensor | None], key: BucketKey) -> None:
-    m = master[key[0]]
-    if m is not None:
-        with torch.no_grad():
-            layout.bucket_shard(key).copy_(layout.compact(master, key))  # type: ignore[arg-type]
 
 
 def cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str | None:
@@ -114,21 +109,21 @@ def update_and_sync(
     inner: Any,
     layout: FlatLayout,
     grads: Sequence[torch.Tensor | None],
-    master: Sequence[torch.Tensor | None],
+    master: Masters,
 ) -> None:
     """Updates this rank's pieces with ``grads`` (one per piece) and syncs the parameters.
 
-    See [Note: update and gather pipeline]. ``inner`` is updated in place. Returns with the
-    gathers in flight when param hooks are registered (``layout.deferred``), else when they are
-    done.
+    See [Note: update and gather pipeline]. ``inner`` is updated in place. The pieces of groups
+    with master weights are updated on the float32 views ``master`` gives, bucket by bucket
+    where the update is, and written back into the parameter buffer just before each bucket's
+    gather ([Note: master weights]). Returns with the gathers in flight when param hooks are
+    registered (``layout.deferred``), else when they are done.
     """
     params: list[torch.Tensor] = list(layout.param_views())
-    for i, p in enumerate(layout.pieces):
-        m = master[p.group]
-        if m is not None:
-            params[i] = m[p.offset : p.offset + p.numel]
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
     sliceable = _sliceable(inner, len(params)) and not layout.deferred and not whole
+    if not sliceable:  # one update of every piece: every bucket's masters at once
+        master.views_for_update(params, layout.keys)
     if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
         update_whole_(tx, shaped(layout, params), shaped(layout, grads), inner)
     elif not sliceable:
@@ -136,7 +131,8 @@ def update_and_sync(
 
     def prepare(key: BucketKey) -> None:  # bucket key's pieces updated, then gathered
         if sliceable:
+            master.views_for_update(params, (key,))
             _update(tx, inner, params, grads, *layout.piece_ranges[key])
-        _copy_master(layout, master, key)
+        master.write_back(key)
 
     layout.sync_params(prepare)

@@ -1,0 +1,174 @@
+"""Gradient reductions, a strategy chosen once per layout: sums in the staging's dtype, or a
+narrower wire with wider sums."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardopt.core import Bucket
+from shardopt.functional.engine._collectives import (
+    Algorithm,
+    Pending,
+    ProcessGroup,
+    all_gather_rows,
+    average_across,
+    reduce_scatter_bucket,
+    scratch_of,
+)
+
+__all__ = ["PlainReduction", "Reduction", "WireReduction"]
+
+# [Note: wire dtype]
+# ``shard(..., comm_dtype=torch.bfloat16)`` puts gradients on the wire in bfloat16 but sums them
+# in float32 (in ``reduce_dtype`` where given; in the group's dtype where it is wider): a
+# reduce-scatter or all-reduce in bfloat16 rounds the partial sum at every hop of its ring (DDP's
+# ``bf16_compress_hook``, FSDP2's ``reduce_dtype=bfloat16``), so each element of the result
+# carries up to W - 1 roundings of growing partial sums. Here each local gradient is rounded once,
+# when it is packed into the (bfloat16) staging; one ``all_to_all_single`` sends block r of the
+# packed bucket to rank r (split sizes: the bucket's shards, so greedy buckets of unequal shards
+# go the same way), and each owner sums the W copies of its shard in float32, in rank order
+# (received into a
+# scratch of W times the largest shard, beside the staging), divides by W and stores the result
+# in its gradient shard's dtype. The bytes on the wire are half of float32's; the bytes per rank
+# equal a reduce-scatter's ((W - 1) / W of the bucket). On a hybrid mesh the replicas' step goes
+# the same way: each replica's averaged shard is rounded once more into bfloat16, all-gathered
+# across the replicas (R - 1 shards in per rank) and summed in float32: two roundings per element
+# in all, one per level of the mesh. Whatever ``algorithm`` says for parameters, these
+# reductions use these calls; the cost model prices them with the same rules
+# (``reduce_scratch_numel``, ``bucket_calls`` with ``widened``). The layout picks its Reduction
+# once, at construction (``WireReduction`` with a ``comm_dtype``, ``PlainReduction`` without).
+
+
+class Reduction:
+    """How a layout averages a bucket's packed gradients into this rank's shard (``bucket``),
+    and a replica's averaged shard across the replicas (``across``); ``g``: the plan group."""
+
+    widened = False
+
+    def __init__(self, group: ProcessGroup, replicate: ProcessGroup | None) -> None:
+        self.group, self.replicate = group, replicate
+
+    def bucket(
+        self,
+        g: int,
+        staging: torch.Tensor,
+        bucket: Bucket,
+        out: torch.Tensor,
+        *,
+        accumulate: bool,
+        scratch: torch.Tensor | None,
+    ) -> Pending:
+        """Launches the average of the packed ``staging`` into ``out`` (added, with
+        ``accumulate``)."""
+        raise NotImplementedError
+
+    def across(
+        self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
+    ) -> Pending:
+        """After ``pending`` (which writes ``part``), averages ``part`` over the replicas into
+        ``out``."""
+        raise NotImplementedError
+
+
+class PlainReduction(Reduction):
+    """Sums in the staging's dtype by the calls ``algorithm`` says ([Note: collective
+    algorithms]); replicas by one all-reduce."""
+
+    def __init__(
+        self, group: ProcessGroup, replicate: ProcessGroup | None, algorithm: Algorithm
+    ) -> None:
+        super().__init__(group, replicate)
+        self.algorithm = algorithm
+
+    def bucket(
+        self,
+        g: int,
+        staging: torch.Tensor,
+        bucket: Bucket,
+        out: torch.Tensor,
+        *,
+        accumulate: bool,
+        scratch: torch.Tensor | None,
+    ) -> Pending:
+        return reduce_scatter_bucket(
+            staging,
+            bucket,
+            out,
+            accumulate=accumulate,
+            group=self.group,
+            async_op=True,
+            algorithm=self.algorithm,
+            scratch=scratch,
+        )
+
+    def across(
+        self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
+    ) -> Pending:
+        return average_across(pending, part, out, accumulate=accumulate, group=self.replicate)
+
+
+class WireReduction(Reduction):
+    """Gradients on the wire in the staging's dtype, summed in ``sums[g]`` ([Note: wire
+    dtype])."""
+
+    widened = True
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        replicate: ProcessGroup | None,
+        wire: torch.dtype,
+        sums: tuple[torch.dtype, ...],
+    ) -> None:
+        super().__init__(group, replicate)
+        self.wire, self.sums = wire, sums
+
+    def bucket(
+        self,
+        g: int,
+        staging: torch.Tensor,
+        bucket: Bucket,
+        out: torch.Tensor,
+        *,
+        accumulate: bool,
+        scratch: torch.Tensor | None,
+    ) -> Pending:
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        n = bucket.shards[rank]
+        work: Any = None
+        if world > 1 and bucket.numel:
+            received = scratch_of(scratch, staging, world * n)
+            work = dist.all_to_all_single(
+                received, staging, [n] * world, list(bucket.shards), group=self.group, async_op=True
+            )
+        else:
+            lo = bucket.shard_start(rank) - bucket.start
+            received = staging[lo : lo + n]
+        total = self.sums[g]
+        return Pending(work, lambda: _store(received.view(world, n), total, out, accumulate))
+
+    def across(
+        self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
+    ) -> Pending:
+        def finish() -> None:
+            rows = all_gather_rows(part.to(self.wire), group=self.replicate)
+            _store(rows, self.sums[g], out, accumulate)
+
+        return Pending([pending], finish)
+
+
+def _store(rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, accumulate: bool) -> None:
+    """The mean of ``rows`` (one per rank) summed in ``dtype`` in rank order, copied or added
+    into ``out``. (Row by row: ``rows.sum(0, dtype=...)`` was 20 times slower on the CPU.)"""
+    total = rows[0].to(dtype, copy=True)
+    for row in rows[1:]:
+        total.add_(row)
+    if rows.shape[0] > 1:
+        total.div_(rows.shape[0])
+    if accumulate:
+        out.add_(total)
+    else:
+        out.copy_(total)
