@@ -20,7 +20,7 @@ from shardopt.functional import (
     load_checkpoint,
     register_grad_hooks,
     register_param_hooks,
-    replica_bytes,
+    replica_traffic,
     save_checkpoint,
     shard,
     wait_params,
@@ -113,12 +113,9 @@ def bytes_per_dim(
     inner = log.in_group(mesh.get_group("shard")).totals()
     across = log.in_group(mesh.get_group("replicate")).totals()
     _, traffic = layout_cost(plan, stage=stage, algorithm="collective", comm_dtype=comm)
-    shard_bytes = replica_bytes(plan, mesh.get_local_rank("shard"), comm_dtype=comm)
-    replicas, calls = mesh.size(0), sum(len(g.buckets) for g in plan.groups)
-    if comm is None:  # an all-reduce of the shard (counted by its input); no calls of ours
-        predicted_across = (shard_bytes, 0, 0, 0)
-    else:  # an all-gather of the shard in comm (counted by its output), one per bucket
-        predicted_across = (0, 0, replicas * shard_bytes, calls)
+    rank_in_shard, replicas = mesh.get_local_rank("shard"), mesh.size(0)
+    predicted = replica_traffic(plan, rank_in_shard, replicas, comm_dtype=comm)
+    predicted_across = dataclasses.astuple(predicted)
     return tuple(inner), tuple(across), dataclasses.astuple(traffic), predicted_across
 
 

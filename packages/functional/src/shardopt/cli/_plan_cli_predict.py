@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shardopt.core import TensorSpec, plan_partition
-from shardopt.functional import RankBytes, Traffic, layout_cost, replica_bytes
+from shardopt.functional import RankBytes, Traffic, layout_cost, replica_traffic
 
 __all__ = ["DDP", "ParamSpec", "Prediction", "predict"]
 
@@ -121,7 +121,7 @@ def predict(
     ``world_size`` ranks (shardopt.functional's [Note: hybrid sharding]); ``traffic`` is then
     that of the "shard" groups and ``replica_sent`` what a rank sends to the other replicas:
     a ring all-reduce of its gradient shards, 2 (R - 1) / R of them, or with a ``comm_dtype``
-    an all-gather of them in that dtype, R - 1 of them.
+    an all-to-all of them in that dtype and an all-gather in theirs, (R - 1) / R each.
 
     Example:
         >>> params = [ParamSpec("w", TensorSpec((10, 10), "float32", "cpu"))]
@@ -130,12 +130,12 @@ def predict(
         (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
 
         Across R replicas of those 4 ranks, a rank's 128 bytes of gradient shard are
-        all-reduced (2 (R - 1) / R of them sent), or in bfloat16 all-gathered (R - 1 shards of
-        64 bytes in): half the bytes at R = 2, the same at R = 4, more beyond:
+        all-reduced (2 (R - 1) / R of them sent), or sent as 64 bytes of bfloat16 and gathered
+        back as float32 ((R - 1) / R of each): 0.75 of the bytes at every R:
 
         >>> [[predict(params, 4, 2, replicas=r, comm_dtype=c).replica_sent
         ...   for c in (None, torch.bfloat16)] for r in (2, 4, 8)]
-        [[128, 64], [192, 192], [224, 448]]
+        [[128, 96], [192, 144], [224, 168]]
     """
     if algorithm not in ("collective", "exchange"):
         raise ValueError(f"plan: expected algorithm collective or exchange, got {algorithm!r}")
@@ -165,12 +165,11 @@ def predict(
     if grads_averaged:  # DDP's all-reduce, before a stage 1 step that takes its gradients
         traffic = dataclasses.replace(traffic, all_reduce=sum(s.nbytes for s in trainable))
     across = 0
-    if replicas > 1 and not grads_averaged:
-        shard = max(replica_bytes(plan, r, comm_dtype=comm_dtype) for r in range(world_size))
-        if comm_dtype is None:  # a ring all-reduce of the shard
-            across = Traffic(shard, 0, 0, 0).sent(replicas)
-        else:  # a ring all-gather of R shards (its output): R - 1 of them in per rank
-            across = Traffic(0, 0, replicas * shard, 0).sent(replicas)
+    if replicas > 1 and not grads_averaged:  # the busiest rank's ring bytes
+        across = max(
+            replica_traffic(plan, r, replicas, comm_dtype=comm_dtype).sent(replicas)
+            for r in range(world_size)
+        )
     return Prediction(
         stage, plan.strategy.value, world_size, ranks, traffic, plan.imbalance(), replicas, across
     )

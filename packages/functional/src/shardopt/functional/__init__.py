@@ -1,6 +1,6 @@
 """shardopt.functional: stateless ZeRO-1 and ZeRO-2 sharded updates over torch.distributed."""
 
-from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_bytes
+from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_traffic
 from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.functional._shard import (
     ShardedTransformation,
@@ -58,7 +58,7 @@ __all__ = [
     "load_torch_state_dict",
     "local_sgd_step",
     "reduce_scatter_bucket",
-    "replica_bytes",
+    "replica_traffic",
     "register_grad_hooks",
     "register_param_hooks",
     "save_checkpoint",

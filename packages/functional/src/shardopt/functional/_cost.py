@@ -8,9 +8,10 @@ import torch
 
 from shardopt.core import Plan
 from shardopt.functional.engine._collectives import Algorithm, bucket_calls
+from shardopt.functional.engine._reduction import replica_chunks
 from shardopt.functional.engine._staging import staging_numel
 
-__all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
+__all__ = ["RankBytes", "Traffic", "layout_cost", "replica_traffic", "ring_bytes"]
 
 # [Note: cost of a layout]
 # ``layout_cost`` reads the plan the engine runs on and the engine's own rules (staging_numel,
@@ -38,10 +39,9 @@ __all__ = ["RankBytes", "Traffic", "layout_cost", "replica_bytes", "ring_bytes"]
 # (one all-gather, reduce-scatter or all-to-all, or one broadcast or reduce per owner; with a
 # ``comm_dtype`` one all-to-all per bucket, whatever the algorithm and the shards).
 # On a hybrid mesh the replicas' step moves each rank's gradient shard once per step
-# (``replica_bytes``): an all-reduce of it (counted by its input, the shard), or with a
-# ``comm_dtype`` an all-gather of it cast to ``comm_dtype`` (counted, as every all-gather, by its
-# output: R times the shard over R replicas; with ring algorithms each rank receives R - 1
-# shards, against 2 (R - 1) / R shards of the all-reduce).
+# (``replica_traffic``): an all-reduce of each bucket's part (counted by its input), or with a
+# ``comm_dtype`` an all-to-all of it in that dtype and an all-gather of its R chunks in the
+# shard's dtype (counted by its output; [Note: wire dtype]).
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,32 +254,38 @@ def _traffic(plan: Plan, reduces: bool, dtypes: _Dtypes, algo: Algorithm) -> Tra
     return Traffic(0, reduced, gathered, calls)
 
 
-def replica_bytes(
+def replica_traffic(
     plan: Plan,
     rank: int,
+    replicas: int,
     *,
     reduce_dtype: torch.dtype | None = None,
     comm_dtype: torch.dtype | None = None,
-) -> int:
-    """Bytes of the gradient shards ``rank`` hands to the replicas' step per step under hybrid
-    sharding, where the plan is of the "shard" dim and gradients are reduced ([Note: hybrid
-    sharding]): one call per bucket, in ``reduce_dtype`` or the group's dtype (all-reduces), or
-    in ``comm_dtype`` where set (all-gathers, [Note: wire dtype]).
-
-    This is what the rank's calls read, as a counted all-reduce's bytes (its input); an
-    all-gather is counted by its output, R times this over R replicas. With ring algorithms a
-    rank sends (and receives) 2 (R - 1) / R times this in all-reduces, R - 1 times it in
-    all-gathers (see [Note: cost of a layout]).
+) -> Traffic:
+    """What ``rank`` hands to the replicas' step per step under hybrid sharding over
+    ``replicas`` replicas, where the plan is of the "shard" dim and gradients are reduced
+    ([Note: hybrid sharding]): per bucket, an all-reduce of its gradient shard part (in
+    ``reduce_dtype`` or the group's dtype); with a ``comm_dtype``, an all-to-all of the part in
+    that dtype and an all-gather of R chunks of it in the shard's dtype (``replica_chunks``,
+    [Note: wire dtype]), counted as ``count_collectives`` counts them.
 
     Example:
         >>> from shardopt.core import plan_partition
-        >>> plan = plan_partition([((10, 10), "float32")], 4)
-        >>> replica_bytes(plan, 0), replica_bytes(plan, 0, comm_dtype=torch.bfloat16)  # 32 each
-        (128, 64)
+        >>> plan = plan_partition([((10, 10), "float32")], 4)  # 32 elements a rank (aligned)
+        >>> replica_traffic(plan, 0, 2)
+        Traffic(all_reduce=128, reduce_scatter=0, all_gather=0, collectives=0)
+        >>> replica_traffic(plan, 0, 2, comm_dtype=torch.bfloat16)
+        Traffic(all_reduce=0, reduce_scatter=64, all_gather=128, collectives=2)
     """
-    total = 0
+    reduced = scattered = gathered = calls = 0
     for group in plan.groups:
-        dtype = comm_dtype or reduce_dtype
-        size = dtype.itemsize if dtype is not None else itemsize(group.dtype)
-        total += group.shard_numels[rank] * size
-    return total
+        size = reduce_dtype.itemsize if reduce_dtype is not None else itemsize(group.dtype)
+        for bucket in group.buckets:
+            n = bucket.shards[rank]
+            if comm_dtype is None:
+                reduced += n * size
+            else:
+                scattered += n * comm_dtype.itemsize
+                gathered += replicas * replica_chunks(n, replicas)[0] * size
+                calls += 2
+    return Traffic(reduced, scattered, gathered, calls)

@@ -18,8 +18,9 @@ from shardopt.functional.engine._collectives import (
     reduce_scatter_bucket,
     scratch_of,
 )
+from shardopt.functional.engine._failure import completed
 
-__all__ = ["PlainReduction", "Reduction", "WireReduction"]
+__all__ = ["PlainReduction", "Reduction", "WireReduction", "replica_chunks"]
 
 # [Note: wire dtype]
 # ``shard(..., comm_dtype=torch.bfloat16)`` puts gradients on the wire in bfloat16 but sums them
@@ -30,16 +31,20 @@ __all__ = ["PlainReduction", "Reduction", "WireReduction"]
 # when it is packed into the (bfloat16) staging; one ``all_to_all_single`` sends block r of the
 # packed bucket to rank r (split sizes: the bucket's shards, so greedy buckets of unequal shards
 # go the same way), and each owner sums the W copies of its shard in float32, in rank order
-# (received into a
-# scratch of W times the largest shard, beside the staging), divides by W and stores the result
-# in its gradient shard's dtype. The bytes on the wire are half of float32's; the bytes per rank
-# equal a reduce-scatter's ((W - 1) / W of the bucket). On a hybrid mesh the replicas' step goes
-# the same way: each replica's averaged shard is rounded once more into bfloat16, all-gathered
-# across the replicas (R - 1 shards in per rank) and summed in float32: two roundings per element
-# in all, one per level of the mesh. Whatever ``algorithm`` says for parameters, these
-# reductions use these calls; the cost model prices them with the same rules
-# (``reduce_scratch_numel``, ``bucket_calls`` with ``widened``). The layout picks its Reduction
-# once, at construction (``WireReduction`` with a ``comm_dtype``, ``PlainReduction`` without).
+# (received into a scratch of W times the largest shard, beside the staging), divides by W and
+# stores the result in its gradient shard's dtype. The bytes on the wire are half of float32's;
+# the bytes per rank equal a reduce-scatter's ((W - 1) / W of the bucket).
+# On a hybrid mesh the replicas' step goes the same way: each replica's averaged shard part is
+# rounded once more into bfloat16 and split into R chunks (``replica_chunks``); one all-to-all
+# sends chunk j to replica j, which sums the R copies in float32 (rank order), and one
+# all-gather in the gradient shard's dtype (no rounding there for a float32 shard) gives every
+# replica the whole part. Two roundings per element in all, one per level of the mesh; per rank
+# (R - 1) / R of the part in bfloat16 plus (R - 1) / R in the shard's dtype, against
+# 2 (R - 1) / R in the shard's dtype for the all-reduce (0.75 of it for float32 shards).
+# Whatever ``algorithm`` says for parameters, these reductions use these calls; the cost model
+# prices them with the same rules (``reduce_scratch_numel``, ``bucket_calls`` with ``widened``,
+# ``replica_chunks``). The layout picks its Reduction once, at construction (``WireReduction``
+# with a ``comm_dtype``, ``PlainReduction`` without).
 
 
 class Reduction:
@@ -154,10 +159,37 @@ class WireReduction(Reduction):
         self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
     ) -> Pending:
         def finish() -> None:
-            rows = all_gather_rows(part.to(self.wire), group=self.replicate)
-            _store(rows, self.sums[g], out, accumulate)
+            replicas = dist.get_world_size(self.replicate)
+            sizes = replica_chunks(part.numel(), replicas)
+            j = dist.get_rank(self.replicate)
+            received = part.new_empty(replicas * sizes[j], dtype=self.wire)
+            completed(
+                dist.all_to_all_single(
+                    received,
+                    part.to(self.wire),
+                    [sizes[j]] * replicas,
+                    sizes,
+                    group=self.replicate,
+                    async_op=True,
+                )
+            )
+            mine = out.new_zeros(sizes[0])  # every chunk padded to the first, the largest
+            _store(received.view(replicas, sizes[j]), self.sums[g], mine[: sizes[j]], False)
+            rows = all_gather_rows(mine, group=self.replicate)
+            whole = torch.cat([row[:n] for row, n in zip(rows, sizes)])
+            if accumulate:
+                out.add_(whole)
+            else:
+                out.copy_(whole)
 
         return Pending([pending], finish)
+
+
+def replica_chunks(numel: int, replicas: int) -> list[int]:
+    """How the replicas' step splits a shard part of ``numel`` elements: R nearly equal
+    chunks, the larger first ([Note: wire dtype])."""
+    base, extra = divmod(numel, replicas)
+    return [base + (1 if i < extra else 0) for i in range(replicas)]
 
 
 def _store(rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, accumulate: bool) -> None:
