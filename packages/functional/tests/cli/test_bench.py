@@ -32,7 +32,8 @@ def bench(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("bench")
-    argv = ["--quick", "--world-size", "2", "--repeats", "2", "--out-dir", str(out)]
+    argv = ["--quick", "--world-size", "2", "--repeats", "2", "--warmup", "0"]
+    argv += ["--out-dir", str(out)]
     assert bench(argv) == 0
     with open(out / "bench.json", encoding="utf-8") as file:
         return json.load(file), str(out / "bench.png")

@@ -54,10 +54,14 @@ def averaged_backward(model: torch.nn.Module, step: int, world: World) -> None:
     for layer in model:
         h = layer(h.to(next(iter(layer.parameters()), h).dtype))
     h.pow(2).mean().backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(world.world_size)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:  # one all-reduce per dtype: DDP's averaged gradients
+        mine = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in mine])
+        dist.all_reduce(flat)
+        flat.div_(world.world_size)
+        for g, part in zip(mine, flat.split([g.numel() for g in mine])):
+            g.copy_(part.view_as(g))
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
