@@ -17,6 +17,7 @@ from _functional_helpers import mlp_batch, small_mlp
 
 SHAPES = [(7, 5), (5,), (13,), (6, 6)]
 BF16 = torch.bfloat16
+STEPS = 5
 
 
 def local_grads(rank: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -153,3 +154,41 @@ def test_gradient_hooks_round_each_micro_steps_gradient_once_and_accumulate_in_f
 def test_comm_dtype_with_averaged_gradients_is_refused():
     with pytest.raises(ValueError, match=r"^shard: expected comm_dtype=None with grads_averaged"):
         shard(sgd(1.0), plan_partition([torch.zeros(2)], 1), grads_averaged=True, comm_dtype=BF16)
+
+
+def wire_training(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    from shardopt.core import adamw
+
+    model = small_mlp()
+    params = list(model.parameters())
+    sharded = shard(adamw(1e-2), plan_partition(params, world), stage=stage, comm_dtype=BF16)
+    state = sharded.init(params)
+    for step in range(STEPS):
+        x, y = mlp_batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        state = sharded.step(params, None, state)
+        model.zero_grad()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize(("world", "stage"), [(2, 1), (3, 2)])
+def test_training_on_the_wire_matches_torch_adamw_fed_the_once_rounded_average(
+    run_world, world, stage
+):
+    model = small_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    replicas = [small_mlp() for _ in range(world)]  # each rank's model, to get its gradients
+    for step in range(STEPS):
+        local = []
+        for r, m in enumerate(replicas):
+            m.load_state_dict(model.state_dict())
+            m.zero_grad()
+            x, y = mlp_batch(step, r)
+            nn.functional.mse_loss(m(x), y).backward()
+            local.append([p.grad for p in m.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = in_float32([g[i].to(BF16) for g in local])
+        opt.step()
+    for params in run_world(wire_training, world, stage):
+        for p, e in zip(params, model.parameters(), strict=True):
+            torch.testing.assert_close(p, e.detach(), rtol=1e-5, atol=1e-6)
