@@ -40,7 +40,8 @@ _CALLS = {
 _WIRE = (
     "--comm-dtype {comm}: shardopt's gradients staged and sent in {comm}, one all-to-all per "
     "bucket, summed in float32 (or their dtype, if wider) by their owner, into a scratch of W x "
-    "the bucket's largest shard; across replicas an all-gather of {comm} shards (DDP: unchanged)"
+    "the bucket's largest shard; across replicas an all-to-all of {comm} shards, summed in "
+    "float32, and an all-gather in the shard's dtype (DDP: unchanged)"
 )
 _COLUMNS = ("params", "grads", "optimizer", "master", "buffers", "total")
 

@@ -2,12 +2,8 @@
 
 from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_traffic
 from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
-from shardopt.functional._shard import (
-    ShardedTransformation,
-    ShardOptions,
-    Stage,
-    shard,
-)
+from shardopt.functional._options import ShardOptions, Stage
+from shardopt.functional._shard import ShardedTransformation, shard
 from shardopt.functional._state import FieldKind, ShardedState, StateField, StepStats
 from shardopt.functional.checkpoint._checkpoint import load_sharded_state_dict, sharded_state_dict
 from shardopt.functional.checkpoint._dcp import load_checkpoint, save_checkpoint

@@ -34,9 +34,16 @@ The buffers, all owned by the layout (``FlatLayout``, [Note: engine] in _layout.
 - gradient shards: one compact shard per group, where reductions land (stage 2 keeps nothing
   else of the gradients).
 - staging: two buffers per group of the largest bucket's size, used in turn to pack a bucket's
-  gradients for its reduce-scatter ([Note: gradient staging]); the staged parameter storage of
+  gradients for its reduce-scatter ([Note: gradient staging]); in ``comm_dtype`` on a narrower
+  wire, with a scratch for the all-to-all ([Note: wire dtype]); the staged parameter storage of
   parameters outside the buffers uses its own two ([Note: staged parameter sync]).
-- optimizer state and master weights: compact shards, per piece, held by the sharded state.
+- optimizer state and master weights: compact shards, per piece, held by the sharded state;
+  master weights as float32 or as 16-bit remainders of bfloat16 parameters ([Note: master
+  weights], [Note: master remainders]).
+
+The strategies, chosen once per layout or state: the parameter storage (flat or staged), the
+gradient reduction (plain or on a wire: ``Reduction`` in _reduction.py), and each group's master
+weights (``Masters`` in _masters.py).
 
 The folders: ``engine/`` holds what moves and updates memory (layout, collectives, hooks, the
 update pipeline, the cross-rank checks); ``checkpoint/`` holds the formats (sharded state
