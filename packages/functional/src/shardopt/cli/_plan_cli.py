@@ -223,20 +223,9 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     bucket = None if args.bucket_numel == 0 else args.bucket_numel
     comm = None if args.comm_dtype is None else getattr(torch, args.comm_dtype)
-    if args.master_remainders and master is not torch.float32:
-        raise ValueError(
-            "plan: expected --master-remainders with --master-dtype float32 (a remainder completes "
-            f"a bfloat16 parameter to its float32 master), got --master-dtype {args.master_dtype}"
-        )
     params = load_params(args.source, dtype)
-    if args.master_remainders and not any(
-        p.trainable and p.spec.dtype == "bfloat16" for p in params
-    ):
-        found = ", ".join(sorted({p.spec.dtype for p in params if p.trainable}))
-        raise ValueError(
-            "plan: expected --master-remainders with bfloat16 parameters (e.g. --dtype bfloat16), "
-            f"got {found}"
-        )
+    if args.master_remainders:
+        _check_remainders(args.master_dtype, params)
     predictions = plan_report(
         params,
         args.world_size,
@@ -255,18 +244,42 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     total = sum(p.spec.numel for p in params)
+    print(
+        render_table(
+            _title(args, params), predictions, args.algorithm, args.comm_dtype, parameters=total
+        )
+    )
+    return 0
+
+
+def _check_remainders(master_dtype: str | None, params: Sequence[ParamSpec]) -> None:
+    """--master-remainders needs float32 masters of bfloat16 parameters (as shard() does)."""
+    if master_dtype != "float32":
+        raise ValueError(
+            "plan: expected --master-remainders with --master-dtype float32 (a remainder completes "
+            f"a bfloat16 parameter to its float32 master), got --master-dtype {master_dtype}"
+        )
+    if not any(p.trainable and p.spec.dtype == "bfloat16" for p in params):
+        found = ", ".join(sorted({p.spec.dtype for p in params if p.trainable}))
+        raise ValueError(
+            "plan: expected --master-remainders with bfloat16 parameters (e.g. --dtype bfloat16), "
+            f"got {found}"
+        )
+
+
+def _title(args: argparse.Namespace, params: Sequence[ParamSpec]) -> str:
+    """The table's title: the model, its dtypes and the options in force."""
+    total = sum(p.spec.numel for p in params)
     trainable = sum(p.spec.numel for p in params if p.trainable)
     dtypes = ", ".join(sorted({p.spec.dtype for p in params}))
-    title = (
+    return (
         f"{args.source}: {len(params)} tensors, {total:,} parameters ({trainable:,} trainable), "
         f"{dtypes}"
-        + (f", {args.master_dtype} master weights" if master else "")
+        + (f", {args.master_dtype} master weights" if args.master_dtype else "")
         + (" (bfloat16 ones as 16-bit remainders)" if args.master_remainders else "")
-        + (f", {args.state_dtype} optimizer state (shardopt rows)" if state else "")
-        + (f", {args.comm_dtype} gradients on the wire (shardopt rows)" if comm else "")
+        + (f", {args.state_dtype} optimizer state (shardopt rows)" if args.state_dtype else "")
+        + (f", {args.comm_dtype} gradients on the wire (shardopt rows)" if args.comm_dtype else "")
     )
-    print(render_table(title, predictions, args.algorithm, args.comm_dtype, parameters=total))
-    return 0
 
 
 def add_plan_parser(commands: Any) -> None:

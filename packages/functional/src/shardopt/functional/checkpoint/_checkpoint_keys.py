@@ -228,19 +228,12 @@ def _label_keys(state: ShardedState, api: str, label: Hashable, torch_only: bool
     sub = state.inner.inner_states[label]
     mine = [k for k, p in enumerate(pieces) if labels.of_tensor[p.tensor] == label]
     tensors = frozenset(t for t, x in enumerate(labels.of_tensor) if x == label)
-    lists = {
-        pytree.keystr(p): x
-        for p, x in pytree.tree_flatten_with_path(sub, is_leaf=lambda x: type(x) is list)[0]
-        if type(x) is list and any(isinstance(e, torch.Tensor) for e in x)
-    }
+    lists = _tensor_lists(sub)
     known, probed = _known_states(sub), labels.fields[label]
     prefix = f".inner_states[{label!r}]"
 
     def expand(values: list[Any]) -> tuple[torch.Tensor | None, ...]:
-        out: list[torch.Tensor | None] = [None] * len(pieces)
-        for k, v in zip(mine, values):
-            out[k] = v
-        return tuple(out)
+        return _per_piece(values, mine, len(pieces))
 
     def listed(path: str) -> ListField:
         kind, dtypes = probed[path]
@@ -272,6 +265,24 @@ def _label_keys(state: ShardedState, api: str, label: Hashable, torch_only: bool
         tuple(entries), count, spec.eager, tuple(shaped), spec.factory, order, label, tensors
     )
     return _no_other_lists(api, label, lists, keys)
+
+
+def _tensor_lists(sub: Any) -> dict[str, list[Any]]:
+    """The lists of ``sub`` (a label's state) that hold tensors, by path."""
+    leaves = pytree.tree_flatten_with_path(sub, is_leaf=lambda x: type(x) is list)[0]
+    return {
+        pytree.keystr(p): x
+        for p, x in leaves
+        if type(x) is list and any(isinstance(e, torch.Tensor) for e in x)
+    }
+
+
+def _per_piece(values: list[Any], mine: Sequence[int], n: int) -> tuple[torch.Tensor | None, ...]:
+    """A label's list ``values`` placed at its pieces ``mine`` among ``n`` (None elsewhere)."""
+    out: list[torch.Tensor | None] = [None] * n
+    for k, v in zip(mine, values):
+        out[k] = v
+    return tuple(out)
 
 
 def _no_other_lists(api: str, label: Hashable, lists: dict[str, Any], keys: FieldKeys) -> FieldKeys:

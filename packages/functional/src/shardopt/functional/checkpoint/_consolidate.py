@@ -227,24 +227,42 @@ def gather_elementwise(
     plan = state.layout.plan
     fields = [(f, key) for f, key, t in keys.entries if t and f.kind is FieldKind.ELEMENTWISE]
     targets = entries if entries is not None else {}
-    owned = [plan.pieces(r) for r in range(plan.world_size)]
+    listed = any(isinstance(f, ListField) for f, _ in fields)  # their sizes: every rank's
+    needed = entries is not None or listed
+    owned = [plan.pieces(r) for r in range(plan.world_size)] if needed else []
     for g in range(len(plan.groups)):
         pieces = [[p for p in mine if p.group == g] for mine in owned]
         for f, key in fields:
-            if isinstance(f, ListField):  # end to end, as [Note: labels of a sharded partition]
-                runs = [_end_to_end_runs([p for p in ps if keys.covers(p.tensor)]) for ps in pieces]
-                numel = max(sum(p.numel for p in run) for run in runs)
-                local = [
-                    v.reshape(-1)
-                    for v, p in zip(f.tensors, state.layout.pieces)
-                    if v is not None and p.group == g
-                ]
-                buf = torch.cat(local) if local else torch.empty(0, dtype=f.dtypes[g])
-                if numel:
-                    copy_pieces(windows(buf, numel, to, group), runs, key, targets)
+            if isinstance(f, ListField):
+                _gather_listed(state, keys, f, key, g, pieces, targets, to, group)
             else:
                 numel = max(plan.groups[g].shard_numels)
                 copy_pieces(windows(f.buffers[g], numel, to, group), pieces, key, targets)
+
+
+def _gather_listed(
+    state: ShardedState,
+    keys: FieldKeys,
+    field: ListField,
+    key: str,
+    g: int,
+    pieces: Sequence[Sequence[Piece]],
+    targets: Mapping[int, Mapping[str, torch.Tensor]],
+    to: int,
+    group: ProcessGroup,
+) -> None:
+    """A label's list field of group ``g``: each rank's values end to end, through the same
+    windows ([Note: labels of a sharded partition]); ``pieces[r]``: rank r's pieces of ``g``."""
+    runs = [_end_to_end_runs([p for p in ps if keys.covers(p.tensor)]) for ps in pieces]
+    numel = max(sum(p.numel for p in run) for run in runs)
+    local = [
+        v.reshape(-1)
+        for v, p in zip(field.tensors, state.layout.pieces)
+        if v is not None and p.group == g
+    ]
+    buf = torch.cat(local) if local else torch.empty(0, dtype=field.dtypes[g])
+    if numel:
+        copy_pieces(windows(buf, numel, to, group), runs, key, targets)
 
 
 def _end_to_end_runs(pieces: Sequence[Piece]) -> list[Piece]:

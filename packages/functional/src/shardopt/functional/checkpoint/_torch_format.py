@@ -133,21 +133,35 @@ def consolidate_state_dict(
         group,
         lambda: {"to": to, "param keys": key_of, "param_groups": groups, "plan": plan_fields(plan)},
     )
-    out: dict[Hashable, dict[str, Any]] = {}
-    for keys, codes, label_groups in zip(keysets, local, groups):
-        scalars = gather_scalars(state, keys, to, group)
-        codes = merge_codes(codes, group) if keys.shaped else codes
-        device = comm_device(group)
-        entries = empty_entries(state, keys, scalars, codes, device) if rank == to else None
-        gather_elementwise(state, keys, entries, to, group)
-        gather_shaped(state, keys, codes, entries, to, group)
-        if entries is not None:
-            key = _keys_in(keys, key_of)
-            sd = {key[t]: keys.ordered(entry) for t, entry in entries.items()}
-            out[keys.label] = {"state": sd, "param_groups": label_groups}
+    out = {
+        keys.label: _gathered(state, keys, codes, to, group, _keys_in(keys, key_of), label_groups)
+        for keys, codes, label_groups in zip(keysets, local, groups)
+    }
     if rank != to:
         return None
     return out[None] if state.labels is None else out
+
+
+def _gathered(
+    state: ShardedState,
+    keys: FieldKeys,
+    codes: torch.Tensor,
+    to: int,
+    group: ProcessGroup,
+    key_of: Sequence[Hashable],
+    groups: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """The torch dict of ``keys`` gathered on rank ``to`` (None elsewhere); collective."""
+    scalars = gather_scalars(state, keys, to, group)
+    codes = merge_codes(codes, group) if keys.shaped else codes
+    rank, device = dist.get_rank(group), comm_device(group)
+    entries = empty_entries(state, keys, scalars, codes, device) if rank == to else None
+    gather_elementwise(state, keys, entries, to, group)
+    gather_shaped(state, keys, codes, entries, to, group)
+    if entries is None:
+        return None
+    sd = {key_of[t]: keys.ordered(entry) for t, entry in entries.items()}
+    return {"state": sd, "param_groups": groups}
 
 
 def _keys_in(keys: FieldKeys, key_of: Sequence[Hashable]) -> list[Hashable]:

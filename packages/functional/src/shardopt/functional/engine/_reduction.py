@@ -3,7 +3,7 @@ narrower wire with wider sums."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -47,46 +47,19 @@ __all__ = ["PlainReduction", "Reduction", "WireReduction", "replica_chunks"]
 # with a ``comm_dtype``, ``PlainReduction`` without).
 
 
-class Reduction:
-    """How a layout averages a bucket's packed gradients into this rank's shard (``bucket``),
-    and a replica's averaged shard across the replicas (``across``); ``g``: the plan group."""
+class PlainReduction:
+    """Sums in the staging's dtype by the calls ``algorithm`` says ([Note: collective
+    algorithms]); replicas by one all-reduce. Like every Reduction: ``bucket`` launches the
+    average of a bucket's packed ``staging`` into this rank's shard ``out`` (added, with
+    ``accumulate``), ``across`` then averages a replica's ``part`` over the replicas into
+    ``out``; ``g`` is the plan group."""
 
     widened = False
-
-    def __init__(self, group: ProcessGroup, replicate: ProcessGroup | None) -> None:
-        self.group, self.replicate = group, replicate
-
-    def bucket(
-        self,
-        g: int,
-        staging: torch.Tensor,
-        bucket: Bucket,
-        out: torch.Tensor,
-        *,
-        accumulate: bool,
-        scratch: torch.Tensor | None,
-    ) -> Pending:
-        """Launches the average of the packed ``staging`` into ``out`` (added, with
-        ``accumulate``)."""
-        raise NotImplementedError
-
-    def across(
-        self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
-    ) -> Pending:
-        """After ``pending`` (which writes ``part``), averages ``part`` over the replicas into
-        ``out``."""
-        raise NotImplementedError
-
-
-class PlainReduction(Reduction):
-    """Sums in the staging's dtype by the calls ``algorithm`` says ([Note: collective
-    algorithms]); replicas by one all-reduce."""
 
     def __init__(
         self, group: ProcessGroup, replicate: ProcessGroup | None, algorithm: Algorithm
     ) -> None:
-        super().__init__(group, replicate)
-        self.algorithm = algorithm
+        self.group, self.replicate, self.algorithm = group, replicate, algorithm
 
     def bucket(
         self,
@@ -115,7 +88,7 @@ class PlainReduction(Reduction):
         return average_across(pending, part, out, accumulate=accumulate, group=self.replicate)
 
 
-class WireReduction(Reduction):
+class WireReduction:
     """Gradients on the wire in the staging's dtype, summed in ``sums[g]`` ([Note: wire
     dtype])."""
 
@@ -128,8 +101,7 @@ class WireReduction(Reduction):
         wire: torch.dtype,
         sums: tuple[torch.dtype, ...],
     ) -> None:
-        super().__init__(group, replicate)
-        self.wire, self.sums = wire, sums
+        self.group, self.replicate, self.wire, self.sums = group, replicate, wire, sums
 
     def bucket(
         self,
@@ -183,6 +155,9 @@ class WireReduction(Reduction):
                 out.copy_(whole)
 
         return Pending([pending], finish)
+
+
+Reduction: TypeAlias = PlainReduction | WireReduction
 
 
 def replica_chunks(numel: int, replicas: int) -> list[int]:
