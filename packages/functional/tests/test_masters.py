@@ -21,6 +21,7 @@ from shardopt.functional import (
     shard,
     sharded_state_dict,
 )
+from shardopt.functional.engine import _masters as masters_module
 from shardopt.functional.engine._masters import join_remainder, split_remainder
 
 from _functional_helpers import small_mlp
@@ -107,6 +108,17 @@ def test_split_of_join_gives_back_every_pair_so_untouched_elements_write_back_un
     split_remainder(join_remainder(hi.view(BF16), lo), out_hi, out_lo)
     assert torch.equal(out_hi.view(torch.int16), hi)
     assert torch.equal(out_lo, lo)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_windows_cut_anywhere_give_the_bits_of_one_pass(case, monkeypatch):
+    x = patterns(case).view(F32)
+    whole_hi, whole_lo = split_remainder(x)
+    monkeypatch.setattr(masters_module, "_CPU_WINDOW", 1000)  # 4096 = 4 windows + 96
+    hi, lo = split_remainder(x)
+    assert torch.equal(bits(hi), bits(whole_hi))
+    assert torch.equal(lo, whole_lo)
+    assert torch.equal(bits(join_remainder(hi, lo)), bits(x))
 
 
 # -- training -------------------------------------------------------------------------------
