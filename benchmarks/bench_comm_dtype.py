@@ -10,8 +10,10 @@ costs against float32 communication and DDP's ``bf16_compress_hook`` (gloo, CPU,
    is bf16's final loss within float32's spread over data orders?
 4. Speed: 12 x Linear(1024, 1024), batch 32, forward + backward + step: shardopt stage 2 with
    the bfloat16 wire against DDP + bf16_compress_hook + torch's ZeroRedundancyOptimizer (and
-   its ``hook_with_zero_step`` overlap where torch allows it), interleaved iteration by
-   iteration; the slowest rank's time; the per-round ratio to the faster torch variant.
+   its ``hook_with_zero_step`` overlap where torch allows it), and shardopt's drop-in
+   ``ZeroRedundancyOptimizer(partition="flat", comm_dtype=bf16)`` behind DDP with
+   ``local_gradients_hook``, interleaved iteration by iteration; the slowest rank's time; the
+   per-round ratio to the faster torch variant.
 
     python benchmarks/bench_comm_dtype.py [--quick]
 """
@@ -277,6 +279,25 @@ def _torch_iteration(x: torch.Tensor, y: torch.Tensor, overlap: bool) -> Any:
     return iteration
 
 
+def _drop_in_iteration(x: torch.Tensor, y: torch.Tensor) -> Any:
+    """shardopt's ZeroRedundancyOptimizer(partition="flat", comm_dtype=bf16) behind DDP with
+    local_gradients_hook: DDP sends nothing, the drop-in reduces on the bfloat16 wire."""
+    from shardopt.optim import ZeroRedundancyOptimizer, local_gradients_hook
+
+    ddp = nn.parallel.DistributedDataParallel(_mlp())
+    ddp.register_comm_hook(None, local_gradients_hook)
+    zero = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.AdamW, partition="flat", comm_dtype=BF16, lr=1e-4
+    )
+
+    def iteration() -> None:
+        F.mse_loss(ddp(x), y).backward()
+        zero.step()
+        zero.zero_grad(set_to_none=True)
+
+    return iteration
+
+
 def _variants(rank: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Each variant's iteration, and why those that could not be built were left out."""
     gen = torch.Generator().manual_seed(rank)
@@ -284,6 +305,7 @@ def _variants(rank: int) -> tuple[dict[str, Any], dict[str, str]]:
     steps = {
         "shardopt bf16": _shard_iteration(x, y, BF16),
         "shardopt fp32": _shard_iteration(x, y, None),  # for context: what the wire saves
+        "drop-in bf16": _drop_in_iteration(x, y),
         "torch zero": _torch_iteration(x, y, False),
     }
     skipped = {}
@@ -356,6 +378,8 @@ def summarize_speed(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any
     out = {"world": world, "rounds": rounds, "best_torch": best, "skipped": per_rank[0]["skipped"]}
     out["median_ms"] = {n: statistics.median(v) * 1e3 for n, v in slow.items()}
     out["ratio_to_best_torch"] = _spread([a / b for a, b in zip(mine, slow[best])])
+    drop_in = [a / b for a, b in zip(slow["drop-in bf16"], slow[best])]
+    out["ratio_drop_in_to_best_torch"] = _spread(drop_in)
     out["ratio_bf16_to_fp32_wire"] = _spread([a / b for a, b in zip(mine, slow["shardopt fp32"])])
     return out
 
@@ -408,6 +432,7 @@ def _print_speed(s: dict[str, Any]) -> None:
     print(f"   {s['rounds']} rounds: {ms}")
     target = "  (target <= 0.9)"
     print(_ratio(f"shardopt bf16 / {s['best_torch']}", s["ratio_to_best_torch"], target))
+    print(_ratio(f"drop-in bf16 / {s['best_torch']}", s["ratio_drop_in_to_best_torch"], target))
     print(_ratio("shardopt bf16 / shardopt fp32", s["ratio_bf16_to_fp32_wire"]))
     for n, why in s["skipped"].items():
         print(f"   {n} left out: {why}")

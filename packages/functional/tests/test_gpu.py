@@ -108,3 +108,43 @@ def test_a_bfloat16_wire_on_cuda_rounds_each_gradient_once_and_sums_in_float32(w
     for p, g in zip(params, grads):
         assert p.is_cuda
         assert torch.equal(-p, g.to(torch.bfloat16).float())
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.world(1, backend="nccl", timeout=180)
+def test_the_drop_in_on_a_bfloat16_wire_on_cuda_rounds_each_gradient_once(world: World):
+    from shardopt.optim import ZeroRedundancyOptimizer
+
+    params = [torch.zeros(s, device=world.device, requires_grad=True) for s in ((7, 5), (13,))]
+    zero = ZeroRedundancyOptimizer(
+        params, torch.optim.SGD, partition="flat", comm_dtype=torch.bfloat16, lr=1.0
+    )
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    zero.step()
+    for p, g in zip(params, grads):
+        assert p.is_cuda
+        assert torch.equal(-p.detach(), g.to(torch.bfloat16).float())
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.world(1, backend="nccl", timeout=180)
+def test_master_remainders_on_cuda_give_the_float32_masters_bitwise(world: World):
+    params = [
+        torch.randn(s, device=world.device).to(torch.bfloat16) for s in ((64, 33), (33,), (5000,))
+    ]
+    twins = [p.clone() for p in params]
+    grads = [torch.randn_like(p) * 1e-2 for p in params]
+    runs = []
+    for ps, remainders in ((params, True), (twins, False)):
+        plan = plan_partition(ps, 1)
+        sharded = shard(adamw(LR), plan, master_dtype=torch.float32, master_remainders=remainders)
+        state = sharded.init(ps)
+        for _ in range(STEPS):
+            state = sharded.step(ps, grads, state)
+        runs.append(state.master.fulls())
+    for a, b in zip(*runs):
+        if a is not None:
+            assert a.is_cuda
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))

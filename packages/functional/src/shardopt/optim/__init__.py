@@ -8,6 +8,7 @@ from shardopt.optim._averagers import (
 from shardopt.optim._averaging import average_parameters
 from shardopt.optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 from shardopt.optim._frameworks import ConsolidateOnSave
+from shardopt.optim._local_gradients import local_gradients_hook
 from shardopt.optim._post_local_sgd import PostLocalSGDOptimizer
 from shardopt.optim._rpc_optimizer import DistributedOptimizer
 from shardopt.optim._zero import ZeroRedundancyOptimizer
@@ -23,4 +24,5 @@ __all__ = [
     "average_parameters",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
+    "local_gradients_hook",
 ]

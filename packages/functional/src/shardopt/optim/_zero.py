@@ -15,6 +15,7 @@ from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
 from shardopt.functional.engine import fails_together, mesh_groups, ranks_with
 from shardopt.optim._zero_backend import ZeroBackend
+from shardopt.optim._zero_flat import Wire
 from shardopt.optim._zero_flat_backend import FlatBackend
 from shardopt.optim._zero_greedy import GreedyBackend
 from shardopt.optim._zero_join import ZeroJoinHook
@@ -62,6 +63,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
       need whole matrices, so each rank owns whole parameters balanced by the update's cost
       (Newton–Schulz flops for Muon). Parameters are always views of the flat buffers.
     - ``allow_mixed_dtypes=True``: parameters of several dtypes, one flat group per dtype.
+    - ``comm_dtype=torch.bfloat16`` (flat partition): ``step`` reduces each rank's local
+      gradients itself, half the bytes of float32 on the wire, each element rounded once and
+      summed in float32 by the rank that owns it (``shard``'s option of the same name). Give it
+      local gradients: no DDP, or DDP with :func:`~shardopt.optim.local_gradients_hook`.
 
     Both partitions are backends of this one class, chosen at construction ([Note: one
     backend]). ``consolidate_state_dict`` gathers the state to one rank by the engine's
@@ -80,6 +85,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             calls ``_step_params`` and ``_sync_params_of``; :meth:`step` then does nothing.
         partition: ``"greedy"`` or ``"flat"`` (keyword only).
         allow_mixed_dtypes: accept parameters of several dtypes (keyword only).
+        comm_dtype: None (DDP averaged the gradients), or the float dtype that the local
+            gradients travel in to the ranks that own them (keyword only; flat partition).
         **defaults: hyperparameters of ``optimizer_class``.
 
     Example:
@@ -111,6 +118,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         *,
         partition: str = "greedy",
         allow_mixed_dtypes: bool = False,
+        comm_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         self.initialized = False  # add_param_group acts as the base class's until the end
@@ -129,7 +137,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._warned_overlap_step = False
         self._cache: dict[str, Any] = {}
         self._backend: ZeroBackend
+        self._comm_dtype = comm_dtype
         options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
+        self._reduce_over = process_group  # the mesh too: comm_dtype reduces over its replicas
 
         def build() -> tuple[None, Any]:
             return None, {**self._build(params, options), "mesh": groups.description}
@@ -158,6 +168,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             overlap_with_ddp=overlap,
             parameters_as_bucket_view=bucket_view,
             allow_mixed_dtypes=mixed,
+            comm_dtype=self._comm_dtype,
         )
         Optimizer.__init__(self, groups, self._optim_defaults)
         Joinable.__init__(self)
@@ -165,8 +176,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._default_device = self._all_params[0].device
         where = {"group": self.process_group, "world_size": self.world_size}
         if self._partition is Strategy.FLAT:
+            wire = Wire(self._comm_dtype, self._reduce_over)
             self._backend = FlatBackend(
-                self.param_groups, self._optim_constructor, self._optim_defaults, **where
+                self.param_groups, self._optim_constructor, self._optim_defaults, wire, **where
             )
         else:
             self._backend = GreedyBackend(
@@ -183,6 +195,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             "parameters_as_bucket_view": bucket_view,
             "overlap_with_ddp": overlap,
             "allow_mixed_dtypes": mixed,
+            "comm_dtype": str(self._comm_dtype),
             "param_groups": [group_fields(g) for g in self.param_groups],
         }
 
@@ -214,7 +227,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._step_and_sync(closure, kwargs)
 
     def _shadow_step(self) -> None:
-        """The step of a rank that has joined (see [Note: joining with uneven inputs])."""
+        """The step of a rank that has joined (see [Note: joining with uneven inputs]). With
+        ``comm_dtype`` the step reduces this rank's gradients: a joined rank's are zeros."""
+        if self._comm_dtype is not None:
+            for p in self._all_params:
+                p.grad = torch.zeros_like(p)
         if not self._overlap_with_ddp:
             self._step_and_sync(None, {})
 

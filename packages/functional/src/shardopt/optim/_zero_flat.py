@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -31,7 +31,7 @@ from shardopt.optim._zero_flat_state import (
 )
 from shardopt.optim._zero_params import API
 
-__all__ = ["FlatShardOptimizer", "torch_defaults"]
+__all__ = ["DDP_AVERAGED", "FlatShardOptimizer", "Wire", "torch_defaults"]
 
 
 Factory = Callable[..., Transformation]
@@ -58,6 +58,12 @@ Factory = Callable[..., Transformation]
 #   ``weight_decay`` from 0, ``amsgrad``, ``centered``) raises instead; one that changes only
 #   the chain around them (AdamW's ``weight_decay`` to or from 0) re-seats the same fields in
 #   the new chain's state (``_Unit.reseated``).
+# Gradients: DDP's averaged ones (``grads_averaged=True``), read from ``p.grad``; nothing is
+# reduced. With ``comm_dtype`` (a ``Wire``) each rank's ``p.grad`` is its local gradient instead
+# (no DDP, or DDP with ``local_gradients_hook``, which sends nothing), and the shard reduces it
+# as ``shard(..., comm_dtype=)`` does: each element rounded once into ``comm_dtype`` on the wire,
+# summed in float32 by its owner ([Note: wire dtype] in shardopt.functional), over the mesh's
+# replicas too.
 # Muon and Adafactor need whole matrices (core's [Note: whole tensors]): their groups get a greedy
 # plan instead, each rank owning whole parameters balanced by the update's cost (Newton–Schulz
 # flops for Muon, elements for Adafactor), on the same engine (shardopt.functional's [Note: whole
@@ -77,6 +83,18 @@ def torch_defaults(
     # a matrix (torch.optim.Muon takes no other), without elements
     probe = torch.zeros(0, 0, dtype=like.dtype, device=like.device, requires_grad=True)
     return dict(optimizer_class([probe], **defaults).defaults)
+
+
+class Wire(NamedTuple):
+    """How a flat unit gets its gradients: ``comm_dtype`` None takes DDP's averaged ones; a
+    dtype reduces the local ones over ``reduce_over`` (the constructor's ``process_group``: a
+    group, a mesh or None) on a wire of that dtype."""
+
+    comm_dtype: torch.dtype | None = None
+    reduce_over: Any = None
+
+
+DDP_AVERAGED = Wire()  # the gradients DDP averaged: nothing reduced here
 
 
 class _Unit:
@@ -101,16 +119,19 @@ class _Unit:
         core: tuple[Factory, dict[str, Any]],
         hyper: dict[str, Any],
         group: ProcessGroup,
+        wire: Wire,
     ) -> None:
         self.params, self.plan, self.hyper = params, plan, hyper
         self.factory, kwargs = core
         tx = inject_hyperparams(self.factory, **kwargs)
+        local = wire.comm_dtype is not None  # local gradients, reduced here
         self.sharded: ShardedTransformation = shard(
             tx,
             plan,
-            group=group,
+            group=wire.reduce_over if local and wire.reduce_over is not None else group,
             stage=1,
-            grads_averaged=True,  # DDP averaged them
+            grads_averaged=not local,  # else DDP averaged them
+            comm_dtype=wire.comm_dtype,
         )
         self.fields = self.structure(self.factory(**kwargs))
         self.state: ShardedState = self.sharded.init(params)
@@ -181,8 +202,10 @@ class FlatShardOptimizer:
         defaults: dict[str, Any],
         group: ProcessGroup,
         world_size: int,
+        wire: Wire = DDP_AVERAGED,
     ) -> None:
         self.optimizer_class = optimizer_class
+        self.wire = wire
         self.defaults = dict(defaults)
         self.param_groups: list[dict[str, Any]] = []
         self._units: list[_Unit | None] = []
@@ -247,7 +270,7 @@ class FlatShardOptimizer:
         unit = None
         if params:
             plan = self.plan(params, hyper)
-            unit = _Unit(params, plan, self.core(hyper), hyper, self._group)
+            unit = _Unit(params, plan, self.core(hyper), hyper, self._group, self.wire)
         self._units.append(unit)
         self.param_groups.append({**hyper, "params": [] if unit is None else unit.pieces})
 

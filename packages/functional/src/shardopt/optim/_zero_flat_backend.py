@@ -9,7 +9,7 @@ import torch
 
 from shardopt.functional import FlatLayout
 from shardopt.functional.engine import ProcessGroup
-from shardopt.optim._zero_flat import FlatShardOptimizer, torch_defaults
+from shardopt.optim._zero_flat import DDP_AVERAGED, FlatShardOptimizer, Wire, torch_defaults
 from shardopt.optim._zero_params import API
 from shardopt.optim._zero_partition import copy_hyperparameters, flat_partition, owners
 
@@ -25,13 +25,14 @@ class FlatBackend:
         param_groups: list[dict[str, Any]],
         optimizer_class: type[torch.optim.Optimizer],
         defaults: dict[str, Any],
+        wire: Wire = DDP_AVERAGED,
         *,
         group: ProcessGroup,
         world_size: int,
     ) -> None:
         like = next(p for g in param_groups for p in g["params"])
         full = torch_defaults(optimizer_class, defaults, like)
-        self.optim = FlatShardOptimizer(optimizer_class, full, group, world_size)
+        self.optim = FlatShardOptimizer(optimizer_class, full, group, world_size, wire)
         self.world_size = world_size
         for g in param_groups:
             self.prepare(g)

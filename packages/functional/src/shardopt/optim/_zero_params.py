@@ -208,8 +208,10 @@ def check_options(
     overlap_with_ddp: Any,
     parameters_as_bucket_view: Any,
     allow_mixed_dtypes: Any,
+    comm_dtype: Any = None,
 ) -> Strategy:
-    """The validated partition; raises for a flat partition the optimizer cannot have.
+    """The validated partition; raises for a flat partition the optimizer cannot have, and for
+    a ``comm_dtype`` without one.
 
     Example:
         >>> check_options(torch.optim.Adam, "flat", overlap_with_ddp=False,
@@ -233,6 +235,7 @@ def check_options(
         if not isinstance(value, bool):
             raise TypeError(f"{API}: expected {name} to be a bool, got {_kind(value)}")
     chosen = Strategy(partition)  # core's word: the plan's strategy
+    _check_comm_dtype(comm_dtype, chosen)
     if chosen is Strategy.FLAT:
         if optimizer_class not in CORE_FACTORIES:
             raise ValueError(
@@ -278,3 +281,18 @@ def check_grads(params: Iterable[torch.Tensor], optimizer_class: Any) -> None:
                 f"{API}.step: expected dense gradients for {optimizer_class.__name__} (it has "
                 f"no sparse support), got a {g.layout} gradient for parameter {i}"
             )
+
+
+def _check_comm_dtype(comm_dtype: Any, partition: Strategy) -> None:
+    """Raises unless ``comm_dtype`` is None, or a float dtype with the flat partition (the one
+    that reduces gradients itself: see [Note: the flat local optimizer])."""
+    if comm_dtype is None:
+        return
+    if not isinstance(comm_dtype, torch.dtype) or not comm_dtype.is_floating_point:
+        raise ValueError(f"{API}: expected comm_dtype None or a float dtype, got {comm_dtype!r}")
+    if partition is not Strategy.FLAT:
+        raise ValueError(
+            f"{API}: comm_dtype={comm_dtype} needs partition='flat' (its owners reduce the local "
+            f"gradients themselves; greedy steps DDP's averaged ones), got partition="
+            f"'{partition.value}'"
+        )
