@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
-from shardopt.functional.engine import fails_together, mesh_groups, ranks_with
+from shardopt.functional.engine import fails_together, mesh_groups
 from shardopt.optim._zero_backend import ZeroBackend
 from shardopt.optim._zero_flat import Wire
 from shardopt.optim._zero_flat_backend import FlatBackend
@@ -24,21 +24,19 @@ from shardopt.optim._zero_params import (
     agreed,
     check_options,
     check_param_types,
-    check_rank,
     group_fields,
     group_params,
     on_device,
     read_params,
 )
-from shardopt.optim._zero_partition import copy_hyperparameters
-from shardopt.optim._zero_state_dict import SavedState, saved_entries, starts_stateless
+from shardopt.optim._zero_state_dict import SavedState, ZeroStateDicts
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -358,84 +356,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The engine of the greedy partition with bucket views (None otherwise)."""
         return self._backend.layout
 
-    # -- state dicts ---------------------------------------------------------------------------
-
-    @fails_together(f"{API}.consolidate_state_dict")
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
-
-        See [Note: entries by gathers]. Afterwards :meth:`state_dict` works on rank ``to`` (and
-        raises on the others).
-        """
-        agreed(
-            f"{API}.consolidate_state_dict",
-            lambda: _checked_rank(to, self.world_size),
-            self.process_group,
-            lambda: self._default_device,
-        )
-        self.wait_params()
-        self._saved.saving_on = None
-        with on_device(self._default_device):
-            state = self._backend.consolidate(self.param_groups, self._param_to_index, to=to)
-        self._saved.consolidated = state
-
-    @fails_together(f"{API}.consolidate_for_saving")
-    def consolidate_for_saving(self, saving: bool) -> None:
-        """Gathers the whole state on every rank that passes ``saving=True``; must be called on
-        every rank of the group, before a framework saves from some of them.
-
-        Afterwards :meth:`state_dict` on a saving rank is the global state; on the others it is
-        the param groups and a placeholder "state" that raises when used (frameworks that save
-        from one rank call ``state_dict()`` on every rank and drop the others' result). See
-        [Note: state dicts without consolidation]. Costs one :meth:`consolidate_state_dict` per
-        saving rank (none when no rank saves).
-        """
-        with on_device(self._default_device):
-            targets = ranks_with(saving, group=self.process_group)
-        mine = None
-        for to in targets:
-            self.consolidate_state_dict(to=to)
-            mine = self._saved.consolidated if to == self.rank else mine
-        self._saved.consolidated = mine
-        self._saved.saving_on = None if saving else targets
-
-    def state_dict(self) -> dict[str, Any]:
-        """The global state in torch.optim's format, as of the last :meth:`consolidate_state_dict`
-        (the param groups as they are now). Where nothing needs gathering it answers on any rank
-        (see [Note: state dicts without consolidation]).
-
-        Raises:
-            RuntimeError: the state was not consolidated on this rank.
-        """
-        state = self._saved.state(lambda: not self.optim.state, self._starts_stateless)
-        self.wait_params()
-        out = Optimizer.state_dict(self)
-        out["state"] = state
-        return out
-
-    def _starts_stateless(self) -> bool:
-        return bool(
-            self._cached(
-                "starts_stateless",
-                lambda: starts_stateless(
-                    self._optim_constructor, self._optim_defaults, self._default_device
-                ),
-            )
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
-        torch.optim one over the same parameters): each rank keeps what it owns.
-
-        Raises:
-            ValueError: the param groups do not have this optimizer's sizes.
-        """
-        entries = saved_entries(state_dict, self.param_groups)
-        self._saved.changed(loaded_state=bool(state_dict["state"]))
-        copy_hyperparameters(state_dict["param_groups"], self.param_groups)
-        self._backend.load(state_dict["param_groups"], entries)
-        copy_hyperparameters(self.param_groups, self.optim.param_groups)
-
     # -- Joinable ------------------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -451,9 +371,3 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def join_process_group(self) -> Any:
         """The process group of the join context."""
         return self.process_group
-
-
-def _checked_rank(to: Any, world_size: int) -> tuple[None, dict[str, Any]]:
-    """consolidate_state_dict's local check, and what must agree: ``to``."""
-    check_rank("consolidate_state_dict", "to", to, world_size)
-    return None, {"to": to}
