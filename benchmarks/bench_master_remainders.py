@@ -11,6 +11,7 @@ the master bytes each rank holds.
 
     python benchmarks/bench_master_remainders.py [--worlds 1 2] [--rounds 40] [--repeats 3]
     python benchmarks/bench_master_remainders.py --quick
+    python benchmarks/bench_master_remainders.py --device cuda --worlds 1   # NCCL, one GPU a rank
 """
 
 from __future__ import annotations
@@ -34,9 +35,18 @@ VARIANTS = {"float32": False, "remainders": True}
 WARMUP = 3
 
 
+def _device() -> torch.device:
+    """The rank's device: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _params() -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
-    return [torch.nn.Parameter((torch.randn(s) * 0.02).to(torch.bfloat16)) for s in SHAPES]
+    return [
+        torch.nn.Parameter((torch.randn(s) * 0.02).to(_device(), torch.bfloat16)) for s in SHAPES
+    ]
 
 
 def build() -> dict[str, Any]:
@@ -46,7 +56,7 @@ def build() -> dict[str, Any]:
     from shardopt.functional import shard
 
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    grads = [(torch.randn(s, generator=gen) * 1e-2).to(torch.bfloat16) for s in SHAPES]
+    grads = [(torch.randn(s, generator=gen) * 1e-2).to(_device(), torch.bfloat16) for s in SHAPES]
     steps, held = {}, {}
     for name, remainders in VARIANTS.items():
         params = _params()
@@ -62,26 +72,34 @@ def build() -> dict[str, Any]:
     return {"steps": steps, "held": held}
 
 
+def _finish() -> None:
+    """Waits for the device's queued work (a GPU's; the CPU's is done)."""
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def measure(rank: int, world: int, rounds: int) -> dict[str, Any]:
     built = build()
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
     for i in range(rounds + WARMUP):
         for name in names if i % 2 == 0 else names[::-1]:
+            _finish()
             dist.barrier()
             start = time.perf_counter()
             built["steps"][name]()
+            _finish()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - start)
     return {"times": times, "held": built["held"]}
 
 
-def run(world: int, rounds: int, repeats: int) -> dict[str, Any]:
+def run(world: int, rounds: int, repeats: int, backend: str = "gloo") -> dict[str, Any]:
     medians: dict[str, list[float]] = {name: [] for name in VARIANTS}
     ratios: list[float] = []
     repeat_ratios = []
     for _ in range(repeats):
-        per_rank = spawn(measure, world, rounds, backend="gloo", timeout=1200)
+        per_rank = spawn(measure, world, rounds, backend=backend, timeout=1200)
         slowest = {
             k: [max(r["times"][k][i] for r in per_rank) for i in range(rounds)] for k in VARIANTS
         }
@@ -92,6 +110,7 @@ def run(world: int, rounds: int, repeats: int) -> dict[str, Any]:
             medians[k].append(statistics.median(slowest[k]))
     return {
         "world_size": world,
+        "backend": backend,
         "rounds": rounds,
         "repeats": repeats,
         "median_ms": {k: statistics.median(v) * 1e3 for k, v in medians.items()},
@@ -109,9 +128,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="10 rounds, 1 repeat: a smoke run")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL")
     args = parser.parse_args()
     rounds, repeats = (10, 1) if args.quick else (args.rounds, args.repeats)
-    rows = [run(w, rounds, repeats) for w in args.worlds]
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    rows = [run(w, rounds, repeats, backend) for w in args.worlds]
     header = ("W", "f32 ms", "rem ms", "rem/f32", "q1-q3", "range", "per repeat", "MiB f32/rem")
     print("\n" + " | ".join(header))
     for r in rows:
