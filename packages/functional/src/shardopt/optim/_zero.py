@@ -136,8 +136,8 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         self._cache: dict[str, Any] = {}
         self._backend: ZeroBackend
         self._comm_dtype = comm_dtype
-        options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
         self._reduce_over = process_group  # the mesh too: comm_dtype reduces over its replicas
+        options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
 
         def build() -> tuple[None, Any]:
             return None, {**self._build(params, options), "mesh": groups.description}
@@ -229,7 +229,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         ``comm_dtype`` the step reduces this rank's gradients: a joined rank's are zeros."""
         if self._comm_dtype is not None:
             for p in self._all_params:
-                p.grad = torch.zeros_like(p)
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
         if not self._overlap_with_ddp:
             self._step_and_sync(None, {})
 
