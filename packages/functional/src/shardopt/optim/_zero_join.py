@@ -15,10 +15,11 @@ __all__ = ["ZeroJoinHook"]
 # part in. As torch's, our main hook runs the step on the joined rank with whatever gradients
 # its parameters hold (a hook placed before ours in the Join list may set them): the joined
 # rank updates the parameters it owns and sends them, so every rank leaves the loop with the
-# same parameters. With ``comm_dtype`` the step reduces the ranks' local gradients itself, so a
-# joined rank steps with zero gradients: its share of the average, as under DDP's join. Unlike torch's, the shadow step does not notify the join context (torch's
+# same parameters. Unlike torch's, the shadow step does not notify the join context (torch's
 # step does, and a ZeroRedundancyOptimizer first in the Join list would then enter an
-# all-reduce that the training ranks never match).
+# all-reduce that the training ranks never match). With ``comm_dtype`` the step reduces the
+# ranks' local gradients itself, so a joined rank steps with zero gradients (None for a frozen
+# parameter): its share of the average, as under DDP's join.
 
 
 class ZeroJoinHook(JoinHook):
