@@ -165,14 +165,7 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
         raise ValueError("partition: expected at least one transformation, got none")
 
     def labels_of(reference: PyTree) -> list[Hashable]:
-        out = _resolve("partition", "labels", labels, reference)
-        for i, label in enumerate(out):
-            if label not in txs:
-                raise ValueError(
-                    f"partition: expected every label to be one of {list(txs)}, got {label!r} "
-                    f"at leaf {i}"
-                )
-        return out
+        return _known_labels(labels, reference, txs)
 
     def groups_of(reference: PyTree) -> dict[Hashable, list[int]]:
         groups: dict[Hashable, list[int]] = {label: [] for label in txs}
@@ -209,6 +202,20 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
     tx = inherit_whole_tensors(Transformation(init, update), txs.values())
     _PARTITIONS[tx.update] = PartitionRule(txs, labels_of)
     return tx
+
+
+def _known_labels(
+    labels: LeafSpec, reference: PyTree, txs: Mapping[Hashable, Transformation]
+) -> list[Hashable]:
+    """partition's label of each leaf of ``reference``; raises unless each is a key of ``txs``."""
+    out = _resolve("partition", "labels", labels, reference)
+    for i, label in enumerate(out):
+        if label not in txs:
+            raise ValueError(
+                f"partition: expected every label to be one of {list(txs)}, got {label!r} "
+                f"at leaf {i}"
+            )
+    return out
 
 
 class PartitionRule(NamedTuple):

@@ -175,16 +175,17 @@ def _piece_dtypes(plan: Plan, opts: ShardOptions) -> list[torch.dtype]:
     return out
 
 
-def _init(
+def _agreed_fields(
     tx: Transformation,
     plan: Plan,
     opts: ShardOptions,
     groups: MeshGroups,
     params: list[Any],
     split: list[bool],
-) -> ShardedState:
-    group = groups.shard
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+) -> dict[str, Any]:
+    """init's checks, then the agreement of every rank of ``groups.agree`` on them (raising on
+    every rank if one failed or they differ); returns the state's probed fields."""
+    world = dist.get_world_size(groups.shard)
     error: str | BaseException | None = check_params(plan, params, world)
     whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
     probed, computes = {}, ""
@@ -204,6 +205,20 @@ def _init(
         "plan": plan_fields(plan),
     }
     agree_across_ranks("shard", error, print_, groups.agree, lambda: named)
+    return probed
+
+
+def _init(
+    tx: Transformation,
+    plan: Plan,
+    opts: ShardOptions,
+    groups: MeshGroups,
+    params: list[Any],
+    split: list[bool],
+) -> ShardedState:
+    probed = _agreed_fields(tx, plan, opts, groups, params, split)
+    group = groups.shard
+    rank, whole = dist.get_rank(group), needs_whole_tensors(tx)
     layout = build_layout(
         plan,
         params,
