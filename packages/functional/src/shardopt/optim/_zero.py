@@ -135,8 +135,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         self._warned_overlap_step = False
         self._cache: dict[str, Any] = {}
         self._backend: ZeroBackend
-        self._comm_dtype = comm_dtype
-        self._reduce_over = process_group  # the mesh too: comm_dtype reduces over its replicas
+        self._wire = Wire(comm_dtype, process_group)  # the mesh too: reduced over its replicas
         options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
 
         def build() -> tuple[None, Any]:
@@ -166,7 +165,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
             overlap_with_ddp=overlap,
             parameters_as_bucket_view=bucket_view,
             allow_mixed_dtypes=mixed,
-            comm_dtype=self._comm_dtype,
+            comm_dtype=self._wire.comm_dtype,
         )
         Optimizer.__init__(self, groups, self._optim_defaults)
         Joinable.__init__(self)
@@ -174,9 +173,12 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         self._default_device = self._all_params[0].device
         where = {"group": self.process_group, "world_size": self.world_size}
         if self._partition is Strategy.FLAT:
-            wire = Wire(self._comm_dtype, self._reduce_over)
             self._backend = FlatBackend(
-                self.param_groups, self._optim_constructor, self._optim_defaults, wire, **where
+                self.param_groups,
+                self._optim_constructor,
+                self._optim_defaults,
+                self._wire,
+                **where,
             )
         else:
             self._backend = GreedyBackend(
@@ -193,7 +195,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
             "parameters_as_bucket_view": bucket_view,
             "overlap_with_ddp": overlap,
             "allow_mixed_dtypes": mixed,
-            "comm_dtype": str(self._comm_dtype),
+            "comm_dtype": str(self._wire.comm_dtype),
             "param_groups": [group_fields(g) for g in self.param_groups],
         }
 
@@ -227,7 +229,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
     def _shadow_step(self) -> None:
         """The step of a rank that has joined (see [Note: joining with uneven inputs]). With
         ``comm_dtype`` the step reduces this rank's gradients: a joined rank's are zeros."""
-        if self._comm_dtype is not None:
+        if self._wire.comm_dtype is not None:
             for p in self._all_params:
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
         if not self._overlap_with_ddp:

@@ -78,7 +78,7 @@ __all__ = ["Masters", "build_masters", "join_remainder", "split_remainder"]
 # Writing the parameters (``model.load_state_dict``) moves the remainder masters with them
 # (the master is the parameter plus its remainder), where float32 masters stay as they were.
 #
-# Speed. The join and the split run window by window (``_window``), each window a few
+# Speed. The join and the split run window by window (``_windows``), each window a few
 # contiguous int32 ops: on the CPU a window's int32 temporary (1 MiB) stays in cache, so each
 # 16-bit half is read or written once from memory; elsewhere a window bounds the temporary. Join:
 # x = sext(lo) + 65536 * sext(hi), which is (hi - borrow) << 16 joined to lo's bits. Split:
@@ -92,10 +92,14 @@ _CPU_WINDOW = 1 << 18  # elements of one pass on the CPU: an int32 window fits i
 _WINDOW = 1 << 24  # elsewhere: one pass per 16M elements, a 64 MiB temporary at most
 
 
-def _window(n: int, device: torch.device) -> tuple[range, torch.Tensor]:
-    """The starts of the windows over ``n`` elements and an int32 temporary for one."""
+def _windows(n: int, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The windows over ``n`` elements, each with an int32 temporary of its length (one
+    buffer, reused)."""
     size = max(1, min(n, _CPU_WINDOW if device.type == "cpu" else _WINDOW))
-    return range(0, n, size), torch.empty(size, dtype=torch.int32, device=device)
+    temp = torch.empty(size, dtype=torch.int32, device=device)
+    for a in range(0, n, size):
+        b = min(a + size, n)
+        yield slice(a, b), temp[: b - a]
 
 
 def split_remainder(
@@ -112,14 +116,10 @@ def split_remainder(
     hi = torch.empty_like(x, dtype=torch.bfloat16) if hi is None else hi
     lo = torch.empty_like(x, dtype=torch.int16) if lo is None else lo
     bits, top = x.view(torch.int32), hi.view(torch.int16)
-    starts, temp = _window(x.numel(), x.device)
     with torch.no_grad():
-        for a in starts:
-            b = min(a + temp.numel(), x.numel())
-            t = temp[: b - a]
-            lo[a:b].copy_(bits[a:b])  # int32 -> int16 keeps the low 16 bits
-            torch.add(bits[a:b], 0x8000, out=t).bitwise_right_shift_(16)
-            top[a:b].copy_(t)
+        for w, t in _windows(x.numel(), x.device):
+            lo[w].copy_(bits[w])  # int32 -> int16 keeps the low 16 bits
+            top[w].copy_(torch.add(bits[w], 0x8000, out=t).bitwise_right_shift_(16))
     return hi, lo
 
 
@@ -135,13 +135,9 @@ def join_remainder(
     """
     out = torch.empty_like(lo, dtype=torch.float32) if out is None else out
     bits, top = out.view(torch.int32), hi.view(torch.int16)
-    starts, temp = _window(lo.numel(), lo.device)
     with torch.no_grad():
-        for a in starts:
-            b = min(a + temp.numel(), lo.numel())
-            t = temp[: b - a]
-            t.copy_(top[a:b])
-            bits[a:b].copy_(lo[a:b]).add_(t, alpha=65536)
+        for w, t in _windows(lo.numel(), lo.device):
+            bits[w].copy_(lo[w]).add_(t.copy_(top[w]), alpha=65536)
     return out
 
 
