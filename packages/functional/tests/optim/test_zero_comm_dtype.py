@@ -4,6 +4,8 @@ by its owner, as ``shard(..., comm_dtype=)`` does ([Note: wire dtype])."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -170,4 +172,4 @@ def refused(rank: int, world: int, case: str) -> str:
 def test_a_bad_comm_dtype_is_refused_on_every_rank(run_world, case, message):
     for text in run_world(refused, 2, case):
         assert text.startswith("ZeroRedundancyOptimizer")
-        assert __import__("re").search(message, text), text
+        assert re.search(message, text), text
