@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 STACKS = ("transformers", "accelerate", "pytorch_lightning")
-MISSING = [name for name in STACKS if importlib.util.find_spec(name) is None]
+# test_third_party_optimizers.py: optimizer classes run through ZeroRedundancyOptimizer.
+OPTIMIZERS = ("pytorch_optimizer", "lion_pytorch", "schedulefree")
+MISSING = [name for name in STACKS + OPTIMIZERS if importlib.util.find_spec(name) is None]
 
 if MISSING and os.environ.get("SHARDOPT_INTEGRATION") == "1":
     raise pytest.UsageError(

@@ -33,7 +33,12 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 # other parameter) and ``_sync_params_of(params, async_op=True)`` (starts the sync of the given
 # parameters from their owners on ``zero.process_group``, returns the work handles). The hooks
 # make one ``_step_params`` call at a time, so it may swap the local optimizer's param groups.
-# Any optimizer that ``zero`` runs works: the hooks never look inside it.
+# A fifth, ``_steps_per_bucket``, says whether ``zero``'s class may be stepped bucket by bucket
+# (torch.optim's per-parameter classes: [Note: stepping per bucket] in _zero_classes.py); when it
+# is False (or missing) the hooks wait for every bucket's reduction and make one
+# ``_step_params`` call with all the parameters, which is the local optimizer's one ``step()``
+# of the iteration: a class that counts per call (a group's ``step``, schedule-free's ``k``,
+# lookahead, MADGRAD's ``k``, Prodigy's sums) then steps as under ``zero.step()``.
 
 
 class _OverlapZero(Protocol):
@@ -63,8 +68,10 @@ def hook_with_zero_step(
     bucket's parameters that this rank owns and starts their sync from their owners, so that a
     bucket's update overlaps the reductions and syncs still under way; all syncs are done
     before backward returns. Unlike torch's, it updates from the first iteration on (see
-    [Note: overlap from the first iteration]), runs any optimizer ``zero`` was built with, and
-    works on gloo as on NCCL (see [Note: collective order]). Call it on every rank.
+    [Note: overlap from the first iteration]), runs any optimizer ``zero`` was built with (a
+    class other than torch.optim's per-parameter ones in one step per iteration, after the
+    last reduction: [Note: contract with ZeRO]), and works on gloo as on NCCL (see
+    [Note: collective order]). Call it on every rank.
 
     Args:
         hook: the comm hook ``hook(state, bucket) -> Future[Tensor]`` that reduces a bucket,
@@ -118,7 +125,9 @@ def hook_with_zero_step_interleaved(
     runs when that reduction completes, while backward computes and reduces the buckets after
     it (see [Note: step at the end or interleaved]). The parameter syncs start once the last
     bucket is reached, in bucket order, and are done before backward returns. Updates from the
-    first iteration on, runs any optimizer, works on gloo as on NCCL. Call it on every rank.
+    first iteration on, works on gloo as on NCCL. A class other than torch.optim's
+    per-parameter ones is stepped once per iteration, as by :func:`hook_with_zero_step` ([Note:
+    contract with ZeRO]). Call it on every rank.
 
     Args:
         hook: the comm hook ``hook(state, bucket) -> Future[Tensor]`` that reduces a bucket.
@@ -346,6 +355,7 @@ class _ZeroStepper:
         self._api = api
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
+        self._per_bucket = bool(getattr(zero, "_steps_per_bucket", False))
 
     def step_at_end(
         self, hook: CommHook, state: Any, bucket: dist.GradBucket
@@ -360,6 +370,8 @@ class _ZeroStepper:
         self, hook: CommHook, state: Any, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         """The hook of :func:`hook_with_zero_step_interleaved`."""
+        if not self._per_bucket:  # one update per iteration, at the end
+            return self.step_at_end(hook, state, bucket)
         meta = _Bucket.of(bucket)
         updated = hook(state, bucket).then(functools.partial(self._update_when_reduced, meta))
         self._record(_Pending(meta, updated, updated=True))
@@ -384,12 +396,16 @@ class _ZeroStepper:
         return value
 
     def _finish(self) -> None:
-        """Updates what is left, syncs the buckets in order, waits ([Note: collective order])."""
+        """Updates what is left, syncs the buckets in order, waits ([Note: collective order]);
+        a class not stepped per bucket gets one update of every bucket first."""
         pending, self._pending = self._pending, []
         works: list[Any] = []
+        if not self._per_bucket:
+            values = [entry.future.wait() for entry in pending]
+            self._update_all([entry.bucket for entry in pending], values)
         for entry in pending:
             value = entry.future.wait()
-            if not entry.updated:
+            if self._per_bucket and not entry.updated:
                 self._update(entry.bucket, value)
             works.extend(self._zero._sync_params_of(entry.bucket.params, async_op=True))
         for work in works:
@@ -397,8 +413,12 @@ class _ZeroStepper:
 
     def _update(self, bucket: _Bucket, value: Any) -> None:
         """``zero``'s update of the bucket's parameters with their reduced gradients."""
-        grads = bucket.gradients_in(value, self._api)
-        params = bucket.params
+        self._update_all([bucket], [value])
+
+    def _update_all(self, buckets: list[_Bucket], values: list[Any]) -> None:
+        """One ``zero`` update of the buckets' parameters with their reduced gradients."""
+        grads = [g for b, v in zip(buckets, values) for g in b.gradients_in(v, self._api)]
+        params = [p for b in buckets for p in b.params]
         with self._lock, torch.no_grad():
             kept = [p.grad for p in params]
             try:

@@ -15,10 +15,11 @@ from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
 from shardopt.functional.engine import fails_together, mesh_groups
 from shardopt.optim._zero_backend import ZeroBackend
+from shardopt.optim._zero_classes import check_coupling, flat_backend, steps_per_bucket
 from shardopt.optim._zero_flat import Wire
-from shardopt.optim._zero_flat_backend import FlatBackend
 from shardopt.optim._zero_greedy import GreedyBackend
 from shardopt.optim._zero_join import ZeroJoinHook
+from shardopt.optim._zero_modes import ZeroModes
 from shardopt.optim._zero_params import (
     API,
     agreed,
@@ -36,7 +37,7 @@ __all__ = ["ZeroRedundancyOptimizer"]
 logger = logging.getLogger(__name__)
 
 
-class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -47,7 +48,11 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
 
     - ``partition="greedy"`` (default): torch's assignment of whole parameters (see
       [Note: the greedy partition]); ``optim`` is ``optimizer_class(this rank's param groups,
-      **defaults)``, any ``torch.optim.Optimizer`` subclass. The parameter sync goes through
+      **defaults)``, any ``torch.optim.Optimizer`` subclass whose update of a parameter reads no
+      other parameter: a class that a probe at construction finds coupled (Prodigy,
+      D-Adaptation, AdamS, Ranger21) or drawing random numbers (Kron) is refused on every rank
+      unless ``allow_coupled=True`` (see [Note: coupled optimizers]). The parameter sync goes
+      through
       flat buffers: one broadcast per rank and bucket under gloo, one all-gather per bucket
       under NCCL, not one call per parameter (see [Note: greedy parameter sync]). With
       ``parameters_as_bucket_view=True`` the parameters become views of those buffers; without,
@@ -59,7 +64,15 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
       optimizer]). For the elementwise classes every rank owns an equal slice of one flat buffer
       per dtype (exactly 1/W of the state; parameters may straddle ranks); Muon and Adafactor
       need whole matrices, so each rank owns whole parameters balanced by the update's cost
-      (Newton–Schulz flops for Muon). Parameters are always views of the flat buffers.
+      (Newton–Schulz flops for Muon). Parameters are always views of the flat buffers. Their
+      subclasses that override nothing run as the class. Any other class runs itself on this
+      rank's slices where a probe finds it elementwise (Lion, Adan, ADOPT, MADGRAD, AdaBelief,
+      Yogi, schedule-free AdamW and SGD; see [Note: slices for the class itself]); others are
+      refused, naming the reason.
+    - ``overlap_with_ddp=True``: the DDP hooks step torch.optim's per-parameter classes bucket by
+      bucket and any other class once per iteration ([Note: stepping per bucket]).
+    - ``train()`` / ``eval()`` exist when the local optimizer has them (schedule-free): every rank
+      switches every parameter ([Note: optimizer modes]).
     - ``allow_mixed_dtypes=True``: parameters of several dtypes, one flat group per dtype.
     - ``comm_dtype=torch.bfloat16`` (flat partition): ``step`` reduces each rank's local
       gradients itself, half the bytes of float32 on the wire, each element rounded once and
@@ -85,6 +98,8 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         allow_mixed_dtypes: accept parameters of several dtypes (keyword only).
         comm_dtype: None (DDP averaged the gradients), or the float dtype that the local
             gradients travel in to the ranks that own them (keyword only; flat partition).
+        allow_coupled: accept a class whose probe finds it coupled, with a warning (keyword
+            only; see [Note: coupled optimizers]).
         **defaults: hyperparameters of ``optimizer_class``.
 
     Example:
@@ -103,7 +118,8 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
     Raises:
         TypeError: ``params`` is not an iterable of tensors or of param-group dicts.
         ValueError: no parameters, a sparse parameter, mixed dtypes (unless allowed), an unknown
-            ``partition``, or ``partition="flat"`` with an optimizer without a shardopt.core form.
+            ``partition``, ``partition="flat"`` with a class neither with a shardopt.core form
+            nor elementwise, or a coupled class without ``allow_coupled=True``.
     """
 
     def __init__(
@@ -117,6 +133,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         partition: str = "greedy",
         allow_mixed_dtypes: bool = False,
         comm_dtype: torch.dtype | None = None,
+        allow_coupled: bool = False,
         **defaults: Any,
     ) -> None:
         self.initialized = False  # add_param_group acts as the base class's until the end
@@ -136,7 +153,9 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         self._cache: dict[str, Any] = {}
         self._backend: ZeroBackend
         self._wire = Wire(comm_dtype, process_group)  # the mesh too: reduced over its replicas
+        self._steps_per_bucket = steps_per_bucket(optimizer_class)  # [Note: stepping per bucket]
         options = (partition, parameters_as_bucket_view, overlap_with_ddp, allow_mixed_dtypes)
+        self._allow_coupled = allow_coupled
 
         def build() -> tuple[None, Any]:
             return None, {**self._build(params, options), "mesh": groups.description}
@@ -166,6 +185,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
             parameters_as_bucket_view=bucket_view,
             allow_mixed_dtypes=mixed,
             comm_dtype=self._wire.comm_dtype,
+            allow_coupled=self._allow_coupled,
         )
         Optimizer.__init__(self, groups, self._optim_defaults)
         Joinable.__init__(self)
@@ -173,11 +193,12 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
         self._default_device = self._all_params[0].device
         where = {"group": self.process_group, "world_size": self.world_size}
         if self._partition is Strategy.FLAT:
-            self._backend = FlatBackend(
+            self._backend = flat_backend(
                 self.param_groups,
                 self._optim_constructor,
                 self._optim_defaults,
                 self._wire,
+                rank=self.rank,
                 **where,
             )
         else:
@@ -189,6 +210,13 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
                 bucket_view=bucket_view,
                 **where,
             )
+            check_coupling(
+                self._optim_constructor,
+                self._optim_defaults,
+                self._all_params[0],  # the probe's dtype and device
+                world_size=self.world_size,
+                allow_coupled=self._allow_coupled,
+            )
         return {
             "optimizer_class": self._optim_constructor,
             "partition": self._partition.value,
@@ -196,6 +224,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, Optimizer, Joinable):
             "overlap_with_ddp": overlap,
             "allow_mixed_dtypes": mixed,
             "comm_dtype": str(self._wire.comm_dtype),
+            "allow_coupled": self._allow_coupled,
             "param_groups": [group_fields(g) for g in self.param_groups],
         }
 

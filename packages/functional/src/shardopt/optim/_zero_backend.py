@@ -63,6 +63,9 @@ class ZeroBackend(Protocol):
     def wait_params(self) -> None:
         """Waits until every parameter holds its value after the last step."""
 
+    def sync_all(self) -> None:
+        """Syncs every parameter from the ranks that own it (collective)."""
+
     def layouts(self) -> list[FlatLayout]:
         """The engine's layouts whose parameters are views of flat buffers."""
 
@@ -77,13 +80,18 @@ class ZeroBackend(Protocol):
 
     def consolidate(
         self, param_groups: list[dict[str, Any]], index: dict[torch.Tensor, int], *, to: int
-    ) -> dict[int, dict[str, Any]] | None:
-        """The whole state in torch's form, keyed by ``index``, on rank ``to``; collective."""
+    ) -> dict[Any, Any] | None:
+        """The whole state in torch's form, keyed by ``index`` (and the optimizer-wide entries
+        by their own keys), on rank ``to``; collective."""
 
     def load(
-        self, saved_groups: Sequence[dict[str, Any]], entries: dict[torch.Tensor, Any]
+        self,
+        saved_groups: Sequence[dict[str, Any]],
+        entries: dict[torch.Tensor, Any],
+        wide: dict[Any, Any] | None = None,
     ) -> None:
-        """Loads torch-form ``entries`` (param -> entry) of this rank's parameters."""
+        """Loads torch-form ``entries`` (param -> entry) of this rank's parameters and the
+        optimizer-wide entries ``wide`` (see [Note: optimizer-wide state])."""
 
 
 # [Note: re-seated parameters]

@@ -105,9 +105,17 @@ class FlatBackend:
         copy_hyperparameters(param_groups, self.optim.param_groups)
         return self.optim.consolidate(index, to=to)
 
+    def sync_all(self) -> None:
+        """Every group's all-gather (collective)."""
+        for layout in self.layouts():
+            layout.sync_params()
+
     def load(
-        self, saved_groups: Sequence[dict[str, Any]], entries: dict[torch.Tensor, Any]
+        self,
+        saved_groups: Sequence[dict[str, Any]],
+        entries: dict[torch.Tensor, Any],
+        wide: dict[Any, Any] | None = None,
     ) -> None:
         """Loads the entries into this rank's slices (the hyperparameters come with the next
-        step, from the optimizer's groups)."""
+        step, from the optimizer's groups; the core forms keep no optimizer-wide state)."""
         self.optim.load(entries)

@@ -10,6 +10,7 @@ import torch
 from shardopt.functional import FlatLayout, Pending
 from shardopt.functional.engine import ProcessGroup, build_layout, gather_entries
 from shardopt.optim._zero_backend import reseat
+from shardopt.optim._zero_flat_local import optimizer_wide
 from shardopt.optim._zero_params import API, check_grads
 from shardopt.optim._zero_partition import (
     copy_hyperparameters,
@@ -126,13 +127,26 @@ class GreedyBackend:
         return loss
 
     def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
-        """``optim.step`` over those of ``params`` this rank owns that have a gradient."""
-        to_rank = self._owners
-        mine = {id(p) for p in params if to_rank.get(p) == self.rank and p.grad is not None}
-        if mine:
-            copy_hyperparameters(param_groups, self.optim.param_groups)
+        """``optim.step`` over those of ``params`` this rank owns that have a gradient: the
+        plain ``optim.step()`` where ``params`` hold every trainable parameter of the local
+        optimizer (one step per iteration, as :meth:`step` takes it), else over just those."""
+        given = {id(p) for p in params}
+        local = [p for g in self.optim.param_groups for p in g["params"]]
+        everything = all(id(p) in given for p in local if p.requires_grad)
+        mine = {id(p) for p in params if self._owners.get(p) == self.rank and p.grad is not None}
+        if not (everything or mine):
+            return
+        copy_hyperparameters(param_groups, self.optim.param_groups)
+        if everything:
+            self.optim.step()
+        else:
             step_only(self.optim, mine)
-            copy_hyperparameters(self.optim.param_groups, param_groups)
+        copy_hyperparameters(self.optim.param_groups, param_groups)
+
+    def sync_all(self) -> None:
+        """Every parameter from its owner (collective)."""
+        assert self.sync_layout is not None
+        self.sync_layout.sync_params()
 
     def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Pending]:
         """Starts (and unless ``async_op`` waits for) the sync of ``params`` from their owners."""
@@ -191,13 +205,20 @@ class GreedyBackend:
         """Every rank's local state on rank ``to`` (see [Note: entries by gathers])."""
         copy_hyperparameters(param_groups, self.optim.param_groups)
         states = local_states(self.optim, index.__getitem__)
-        return gather_entries(states, to=to, group=self.group)
+        gathered: dict[Any, Any] | None = gather_entries(states, to=to, group=self.group)
+        if gathered is not None:
+            gathered.update(optimizer_wide(self.optim))  # [Note: optimizer-wide state]
+        return gathered
 
     def load(
-        self, saved_groups: Sequence[dict[str, Any]], entries: dict[torch.Tensor, Any]
+        self,
+        saved_groups: Sequence[dict[str, Any]],
+        entries: dict[torch.Tensor, Any],
+        wide: dict[Any, Any] | None = None,
     ) -> None:
-        """Loads the saved hyperparameters and the entries of this rank's parameters into the
-        local optimizer through its own ``load_state_dict`` (its casts and checks apply)."""
+        """Loads the saved hyperparameters, the entries of this rank's parameters and the
+        optimizer-wide ones into the local optimizer through its own ``load_state_dict`` (its
+        casts and checks apply)."""
         local_groups = []
         state: dict[int, Any] = {}
         index = 0
@@ -209,4 +230,5 @@ class GreedyBackend:
                 if entries.get(p) is not None:
                     state[index] = entries[p]
                 index += 1
+        state.update(wide or {})
         self.optim.load_state_dict({"state": state, "param_groups": local_groups})

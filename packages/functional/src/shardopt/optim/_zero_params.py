@@ -10,7 +10,6 @@ import torch
 
 from shardopt.core import Strategy
 from shardopt.functional.engine import agree_across_ranks, describe, fingerprint
-from shardopt.optim._core_mapping import CORE_FACTORIES
 
 __all__ = [
     "agreed",
@@ -209,9 +208,10 @@ def check_options(
     parameters_as_bucket_view: Any,
     allow_mixed_dtypes: Any,
     comm_dtype: Any = None,
+    allow_coupled: Any = False,
 ) -> Strategy:
-    """The validated partition; raises for a flat partition the optimizer cannot have, and for
-    a ``comm_dtype`` without one.
+    """The validated partition; raises for a ``comm_dtype`` without a flat partition, and for
+    flags that are not bools.
 
     Example:
         >>> check_options(torch.optim.Adam, "flat", overlap_with_ddp=False,
@@ -230,24 +230,19 @@ def check_options(
         "overlap_with_ddp": overlap_with_ddp,
         "parameters_as_bucket_view": parameters_as_bucket_view,
         "allow_mixed_dtypes": allow_mixed_dtypes,
+        "allow_coupled": allow_coupled,
     }
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{API}: expected {name} to be a bool, got {_kind(value)}")
     chosen = Strategy(partition)  # core's word: the plan's strategy
     _check_comm_dtype(comm_dtype, chosen)
-    if chosen is Strategy.FLAT:
-        if optimizer_class not in CORE_FACTORIES:
-            raise ValueError(
-                f"{API}: partition='flat' needs an optimizer with a shardopt.core form, got "
-                f"{getattr(optimizer_class, '__name__', repr(optimizer_class))} (known: "
-                f"{', '.join(c.__name__ for c in CORE_FACTORIES)})"
-            )
-        if overlap_with_ddp:
-            raise ValueError(
-                f"{API}: overlap_with_ddp=True needs partition='greedy' (whole parameters per "
-                "rank, as DDP's buckets hold them), got partition='flat'"
-            )
+    # which classes the flat partition runs: ``flat_backend`` of _zero_classes
+    if chosen is Strategy.FLAT and overlap_with_ddp:
+        raise ValueError(
+            f"{API}: overlap_with_ddp=True needs partition='greedy' (whole parameters per "
+            "rank, as DDP's buckets hold them), got partition='flat'"
+        )
     return chosen
 
 

@@ -68,7 +68,9 @@ _PER_PARAMETER_NAMES = (
 # torch.optim's classes whose step updates each parameter from its own gradient and state alone,
 # with counts kept per parameter: safe to step per DDP bucket and with any subset of parameters.
 PER_PARAMETER: tuple[type, ...] = tuple(
-    cls for name in _PER_PARAMETER_NAMES if isinstance(cls := getattr(torch.optim, name, None), type)
+    cls
+    for name in _PER_PARAMETER_NAMES
+    if isinstance(cls := getattr(torch.optim, name, None), type)
 )
 
 # Entries of a class's namespace that do not change what its instances do.
@@ -184,6 +186,22 @@ class _Probe:
             return [p.detach().clone() for p in params], states
 
 
+_VERDICTS: dict[tuple[Any, ...], Any] = {}  # probe verdicts of this process (deterministic)
+
+
+def _cached(kind: str, probe: _Probe, compute: Any) -> Any:
+    """``compute()``, once per class, hyperparameters, dtype and device in this process."""
+    try:
+        key = (kind, probe.optimizer_class, repr(sorted(probe.defaults.items())), probe.dtype)
+        key += (str(probe.device),)
+        hash(key)
+    except Exception:  # unhashable or unprintable: probe again
+        return compute()
+    if key not in _VERDICTS:
+        _VERDICTS[key] = compute()
+    return _VERDICTS[key]
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -194,9 +212,7 @@ def _failed(exc: Exception) -> str:
     return f"the probe could not step it on two small tensors ({type(exc).__name__}: {exc})"
 
 
-def coupling(
-    optimizer_class: Any, defaults: dict[str, Any], like: torch.Tensor
-) -> str | None:
+def coupling(optimizer_class: Any, defaults: dict[str, Any], like: torch.Tensor) -> str | None:
     """Why sharding whole parameters changes what ``optimizer_class`` computes, or None where
     the probe finds it per-parameter (see [Note: optimizer probes]).
 
@@ -207,8 +223,12 @@ def coupling(
     if known_base(optimizer_class) is not None:
         return None
     probe = _Probe(optimizer_class, dict(defaults), like.dtype, like.device)
+    return _cached("coupling", probe, lambda: _guarded(_coupling, probe))
+
+
+def _guarded(check: Any, probe: _Probe) -> str | None:
     try:
-        return _coupling(probe)
+        return check(probe)  # type: ignore[no-any-return]
     except Exception as exc:  # a class that cannot be stepped so: refused, with the reason
         return _failed(exc)
 
@@ -245,9 +265,7 @@ class Elementwise:
     keys: frozenset[str] = frozenset()
 
 
-def elementwise(
-    optimizer_class: Any, defaults: dict[str, Any], like: torch.Tensor
-) -> Elementwise:
+def elementwise(optimizer_class: Any, defaults: dict[str, Any], like: torch.Tensor) -> Elementwise:
     """Whether ``optimizer_class`` updates each element from that element's own history alone,
     whatever the tensor's shape or cut (see [Note: optimizer probes]).
 
@@ -256,9 +274,17 @@ def elementwise(
         frozenset({'exp_avg', 'exp_avg_sq'})
     """
     probe = _Probe(optimizer_class, dict(defaults), like.dtype, like.device)
+    return _cached("elementwise", probe, lambda: _elementwise(probe))  # type: ignore[no-any-return]
+
+
+def _elementwise(probe: _Probe) -> Elementwise:
+    reason = _cached("coupling", probe, lambda: _guarded(_coupling, probe))
+    if reason is None:
+        reason = _guarded(_perturbed, probe)
+    if reason is not None:
+        return Elementwise(reason)
     try:
-        reason = _coupling(probe) or _perturbed(probe)
-        return Elementwise(reason) if reason else _cut(probe)
+        return _cut(probe)
     except Exception as exc:
         return Elementwise(_failed(exc))
 
@@ -327,8 +353,7 @@ def _cut(probe: _Probe) -> Elementwise:
 
 def _state_reason(what: str) -> str:
     return (
-        f"its state does not split by element ({what} of a tensor differ from those of its "
-        "pieces)"
+        f"its state does not split by element ({what} of a tensor differ from those of its pieces)"
     )
 
 

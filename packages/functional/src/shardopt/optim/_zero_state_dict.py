@@ -12,7 +12,14 @@ from shardopt.functional.engine import fails_together, ranks_with
 from shardopt.optim._zero_params import API, agreed, check_rank, on_device
 from shardopt.optim._zero_partition import copy_hyperparameters
 
-__all__ = ["SavedState", "StateElsewhere", "ZeroStateDicts", "saved_entries", "starts_stateless"]
+__all__ = [
+    "SavedState",
+    "StateElsewhere",
+    "ZeroStateDicts",
+    "saved_entries",
+    "starts_stateless",
+    "wide_entries",
+]
 
 
 # [Note: state dicts without consolidation]
@@ -48,13 +55,33 @@ def saved_entries(
     saved_ids = [i for g in saved_groups for i in g["params"]]
     params = [p for g in groups for p in g["params"]]
     state = state_dict["state"]
-    unknown = [k for k in state if k not in set(saved_ids)]
+    known = set(saved_ids)
+    unknown = [k for k in state if k not in known and not _optimizer_wide(k, known)]
     if unknown:  # e.g. ids turned into strings by a round trip through DCP or JSON
         raise ValueError(
             f"{API}.load_state_dict: expected the keys of state to be the ids in param_groups "
             f"({saved_ids[:3]}...), got {unknown[:3]!r}"
         )
     return {p: state[i] for i, p in zip(saved_ids, params) if i in state}
+
+
+def wide_entries(state_dict: dict[str, Any]) -> dict[Any, Any]:
+    """The entries of ``state_dict["state"]`` that are optimizer-wide, not a parameter's (see
+    [Note: optimizer-wide state])."""
+    known = {i for g in state_dict["param_groups"] for i in g["params"]}
+    return {k: v for k, v in state_dict["state"].items() if _optimizer_wide(k, known)}
+
+
+def _optimizer_wide(key: Any, ids: set[Any]) -> bool:
+    """A key of ``state`` that names no parameter: not an id, nor an id turned into a string."""
+    if isinstance(key, int) or key in ids:
+        return False
+    return not (isinstance(key, str) and key.lstrip("-").isdigit())
+
+
+def _state_order(key: Any) -> tuple[int, str]:
+    """Parameter ids first, in order, then the optimizer-wide keys."""
+    return (0, f"{key:020d}") if isinstance(key, int) else (1, str(key))
 
 
 class StateElsewhere(Mapping[int, Any]):
@@ -95,7 +122,7 @@ class SavedState:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.consolidated: dict[int, dict[str, Any]] | None = None  # consolidate_state_dict's
+        self.consolidated: dict[Any, Any] | None = None  # consolidate_state_dict's
         self.pristine = True  # never stepped, nor loaded with state
         self.saving_on: list[int] | None = None  # consolidate_for_saving's saving ranks
 
@@ -110,7 +137,7 @@ class SavedState:
         class makes no state at construction; each asked only if needed); raises where none of
         these holds."""
         if self.consolidated is not None:
-            return dict(sorted(self.consolidated.items()))
+            return dict(sorted(self.consolidated.items(), key=lambda kv: _state_order(kv[0])))
         if self.saving_on is not None:
             return StateElsewhere(self.rank, self.saving_on)
         if self.pristine and empty_here() and stateless():
@@ -232,7 +259,7 @@ class ZeroStateDicts:
         entries = saved_entries(state_dict, self.param_groups)
         self._saved.changed(loaded_state=bool(state_dict["state"]))
         copy_hyperparameters(state_dict["param_groups"], self.param_groups)
-        self._backend.load(state_dict["param_groups"], entries)
+        self._backend.load(state_dict["param_groups"], entries, wide_entries(state_dict))
         copy_hyperparameters(self.param_groups, self.optim.param_groups)
 
 

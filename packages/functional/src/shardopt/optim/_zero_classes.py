@@ -1,0 +1,125 @@
+"""Which optimizer classes ZeroRedundancyOptimizer runs, and how: known, probed, or refused."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from shardopt.optim._core_mapping import CORE_FACTORIES
+from shardopt.optim._zero_backend import ZeroBackend
+from shardopt.optim._zero_flat import Wire
+from shardopt.optim._zero_flat_backend import FlatBackend
+from shardopt.optim._zero_flat_local import LocalFlatBackend
+from shardopt.optim._zero_params import API
+from shardopt.optim._zero_probe import coupling, elementwise, known_base
+
+__all__ = ["check_coupling", "flat_backend", "steps_per_bucket"]
+
+# [Note: coupled optimizers]
+# Under the greedy partition each rank's local optimizer steps only the parameters the rank
+# owns. A class whose update of one parameter reads the others (a global statistic: Prodigy's and
+# D-Adaptation's step-size estimates, AdamS's and Ranger21's weight decay scaled by the mean
+# second moment over all parameters) or that draws random numbers (Kron: each rank draws its
+# own) computes something else than it would in one process, silently, in torch's
+# ZeroRedundancyOptimizer too. The constructor probes the class ([Note: optimizer probes]) and
+# every rank raises a ValueError naming it and the reason; ``allow_coupled=True`` accepts it
+# knowingly, with one UserWarning naming what was found. With one rank nothing is sharded and
+# nothing is probed. Probed couplings of popular classes (pytorch-optimizer 4.1.0, default
+# hyperparameters): Prodigy, DAdaptAdam, DAdaptSGD, DAdaptLion, AdamS, Ranger21, Adai (coupled),
+# Kron (random draws); uncoupled: Lion, Adan, ADOPT, MADGRAD, Lamb, LARS, AdaBelief, Yogi,
+# NovoGrad, AdamP, AdaBound, DiffGrad, Ranger, Tiger, LaProp, CAME, SOAP, AdEMAMix, StableAdamW,
+# APOLLO, QHAdam, SM3, lion-pytorch's Lion and schedulefree's AdamW and SGD.
+#
+# [Note: stepping per bucket]
+# With ``overlap_with_ddp=True`` the DDP hooks may step each DDP bucket's parameters as soon as
+# the bucket is reduced, one local ``step()`` per bucket. That is one process's step only for a
+# class whose update is per parameter and counts per parameter: torch.optim's SGD, Adam, AdamW,
+# Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD, SparseAdam, Muon and Adafactor
+# (the classes of the shardopt.core forms among them) and their subclasses that override
+# nothing (``steps_per_bucket``). Any other class counts per call somewhere (a group's
+# ``step``, schedule-free's ``k`` and weight sums, lookahead's counter, MADGRAD's ``k``), so the
+# hooks give it exactly one local ``step()`` per iteration, once every bucket is reduced, over
+# all of this rank's parameters: the step :meth:`ZeroRedundancyOptimizer.step` takes.
+
+
+def steps_per_bucket(optimizer_class: Any) -> bool:
+    """Whether the DDP hooks may step ``optimizer_class`` once per bucket (see
+    [Note: stepping per bucket]).
+
+    Example:
+        >>> steps_per_bucket(torch.optim.AdamW), steps_per_bucket(torch.optim.LBFGS)
+        (True, False)
+    """
+    return known_base(optimizer_class) is not None
+
+
+def _name(optimizer_class: Any) -> str:
+    return getattr(optimizer_class, "__qualname__", None) or repr(optimizer_class)
+
+
+def check_coupling(
+    optimizer_class: Any,
+    defaults: dict[str, Any],
+    like: torch.Tensor,
+    *,
+    world_size: int,
+    allow_coupled: bool,
+) -> None:
+    """Raises ValueError if the probe finds ``optimizer_class`` coupled (warns instead with
+    ``allow_coupled=True``); see [Note: coupled optimizers]."""
+    if world_size == 1:
+        return
+    reason = coupling(optimizer_class, defaults, like)
+    if reason is None:
+        return
+    name = _name(optimizer_class)
+    if allow_coupled:
+        warnings.warn(
+            f"{API}: allow_coupled=True: {name} is sharded over {world_size} ranks although "
+            f"{reason}; its result is not one process's",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
+    raise ValueError(
+        f"{API}: cannot shard {name} over {world_size} ranks: {reason}; pass "
+        "allow_coupled=True to accept a result that differs from one process's"
+    )
+
+
+def flat_backend(
+    param_groups: list[dict[str, Any]],
+    optimizer_class: Any,
+    defaults: dict[str, Any],
+    wire: Wire,
+    *,
+    group: Any,
+    rank: int,
+    world_size: int,
+) -> ZeroBackend:
+    """The flat partition's backend: shardopt.core's form of the class (or of the torch class
+    it subclasses without overriding anything), else the class itself on slices where the
+    elementwise probe passes; raises ValueError naming the class and the reason otherwise."""
+    base = known_base(optimizer_class)
+    if base in CORE_FACTORIES:
+        return FlatBackend(param_groups, base, defaults, wire, group=group, world_size=world_size)
+    name = _name(optimizer_class)
+    known = ", ".join(c.__name__ for c in CORE_FACTORIES)
+    if wire.comm_dtype is not None:
+        raise ValueError(
+            f"{API}: comm_dtype={wire.comm_dtype} needs an optimizer with a shardopt.core form "
+            f"({known}), got {name}"
+        )
+    like = next(p for g in param_groups for p in g["params"])
+    verdict = elementwise(optimizer_class, defaults, like)
+    if verdict.reason is not None:
+        raise ValueError(
+            f"{API}: partition='flat' cannot step {name} on slices of flat buffers: "
+            f"{verdict.reason}; use partition='greedy' (the flat partition runs the classes "
+            f"with a shardopt.core form, {known}, and classes its probe finds elementwise)"
+        )
+    return LocalFlatBackend(
+        optimizer_class, defaults, verdict.keys, group=group, rank=rank, world_size=world_size
+    )
