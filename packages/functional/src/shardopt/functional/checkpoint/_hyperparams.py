@@ -17,6 +17,7 @@ __all__ = [
     "checked_hyperparams",
     "hyperparam_placeholders",
     "saved_hyperparams",
+    "typed_like",
     "write_hyperparams",
 ]
 
@@ -73,6 +74,42 @@ def hyperparam_placeholders(state: ShardedState, keys: set[str]) -> dict[str, An
         return torch.empty_like(x) if isinstance(x, torch.Tensor) else x
 
     return {k: pytree.tree_map(fresh, v) for k, v in saved_hyperparams(state).items() if k in keys}
+
+
+def _same_type(live: Any, loaded: Any) -> bool:
+    """Whether ``loaded`` has the type structure of ``live`` (tensors: shape and dtype too)."""
+    if isinstance(live, torch.Tensor):
+        return (
+            isinstance(loaded, torch.Tensor)
+            and loaded.shape == live.shape
+            and loaded.dtype == live.dtype
+        )
+    if type(loaded) is not type(live):
+        return False
+    if isinstance(live, (tuple, list)):
+        return len(live) == len(loaded) and all(map(_same_type, live, loaded))
+    if isinstance(live, dict):
+        return live.keys() == loaded.keys() and all(_same_type(live[k], loaded[k]) for k in live)
+    return live is None or isinstance(live, (bool, int, float, complex, str))
+
+
+def typed_like(api: str, state: ShardedState, loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """``loaded`` (key -> value read from a checkpoint), each value checked to have the type of
+    the state's own (a tuple of two floats for betas, a 0-d float32 tensor, ...).
+
+    Raises:
+        ValueError: e.g. ``load_checkpoint: expected the hyperparameter lr of type float, got
+            str``.
+    """
+    live = saved_hyperparams(state)
+    for key, value in loaded.items():
+        if key not in live or not _same_type(live[key], value):
+            want = type(live.get(key)).__name__
+            raise ValueError(
+                f"{api}: expected the hyperparameter {key} of type {want} as in the state, got "
+                f"{type(value).__name__}"
+            )
+    return dict(loaded)
 
 
 def checked_hyperparams(

@@ -6,14 +6,22 @@ import datetime
 import functools
 import json
 import time
+import unicodedata
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "completed", "fails_together", "raised_on_every_rank"]
+__all__ = [
+    "RankFailedError",
+    "completed",
+    "error_text",
+    "fails_together",
+    "raised_on_every_rank",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
+E = TypeVar("E", bound=BaseException)
 
 # [Note: failing together]
 # A collective waits for every rank of its group. When one rank raises inside a shardopt API
@@ -44,6 +52,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # abort is what ends the others' collectives, reported by torch's own NCCL errors.
 
 KEY = "shardopt/failed"
+MAX_TEXT = 4096  # characters of an error's published text (see [Note: publishing an error])
 POLL_S = 0.5  # a failure is seen within about 2 POLL_S of being published
 
 _state: dict[str, Any] = {"posted": False, "seen": None, "waiting": False, "enabled": True}
@@ -65,7 +74,7 @@ class RankFailedError(RuntimeError):
         return type(self), (self.rank, self.api, self.error)  # pickles (a process's report)
 
 
-def raised_on_every_rank(exc: BaseException) -> BaseException:
+def raised_on_every_rank(exc: E) -> E:
     """Marks ``exc`` as raised on every rank together (never published); returns it."""
     exc.__dict__["_shardopt_every_rank"] = True
     return exc
@@ -85,12 +94,66 @@ def _polling() -> bool:
     return dist.is_initialized() and "nccl" not in str(dist.get_backend()).lower()
 
 
+# [Note: publishing an error]
+# What a failing rank publishes goes into every other rank's error message and log, so it is
+# made safe to print whatever the exception holds: ``error_text`` formats it as
+# ``"<type>: <message>"``; a message whose ``__str__`` raises becomes a placeholder naming that
+# error (the failure is published all the same: the others must not wait for the timeout);
+# control and format characters (newlines, escapes, bidirectional overrides) are written as
+# Python escapes (``\n``, ``\x1b``, ``\u202e``); the text is cut to MAX_TEXT characters, its
+# end replaced by the length of the whole. Publishing never replaces the rank's own exception.
+
+
+def _escaped(text: str) -> str:
+    """``text`` with its control, format and separator characters as Python escapes."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch == " " or unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"):
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def error_text(exc: BaseException, limit: int = MAX_TEXT) -> str:
+    r"""``"<type>: <message>"`` of ``exc``, escaped and at most ``limit`` characters (see
+    [Note: publishing an error]).
+
+    Example:
+        >>> error_text(ValueError("bad\x1b[2J value"))
+        'ValueError: bad\\x1b[2J value'
+        >>> class Odd(Exception):
+        ...     def __str__(self):
+        ...         raise RuntimeError("no")
+        >>> error_text(Odd())
+        'Odd: <message unavailable: its __str__ raised RuntimeError>'
+        >>> len(error_text(ValueError("x" * 10**6), limit=100))
+        100
+    """
+    try:
+        message = str(exc)
+    except BaseException as inner:  # (any __str__ failure, still published)
+        message = f"<message unavailable: its __str__ raised {type(inner).__name__}>"
+    full = f"{type(exc).__name__}: {message}"
+    text = _escaped(full[:limit])  # (an escape is 2 to 10 characters)
+    if len(text) <= limit and len(full) <= limit:
+        return text
+    cut = f" ... [cut: {len(full)} characters in all]"
+    return text[: limit - len(cut)] + cut
+
+
 def publish(api: str, exc: BaseException) -> None:
-    """Publishes this rank's failure in ``api`` (see [Note: failing together])."""
-    store = _store()
-    if store is None or exc.__dict__.get("_shardopt_every_rank"):
+    """Publishes this rank's failure in ``api`` (see [Note: failing together]); never raises
+    (an error it meets is dropped: the rank's own exception is the one to raise)."""
+    try:
+        store = _store()
+        if store is None or exc.__dict__.get("_shardopt_every_rank"):
+            return
+        _post(store, {"rank": dist.get_rank(), "api": api, "error": error_text(exc)})
+    except Exception:  # (the rank's own exception matters more)
         return
-    _post(store, {"rank": dist.get_rank(), "api": api, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def _post(store: Any, record: dict[str, Any]) -> None:
