@@ -286,4 +286,4 @@ def _read(api: str, sd: dict[str, Any], reader: SafeReader, group: ProcessGroup)
     except dcp.CheckpointException as exc:  # raised on every rank alike
         raise dcp_failure(api, exc) from exc
     with torch.no_grad():
-        planner.commit()
+        planner.commit(sd)

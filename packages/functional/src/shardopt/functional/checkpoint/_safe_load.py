@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -268,21 +269,17 @@ class StagedPlanner(DefaultLoadPlanner):
             )
         self._tensors.append((item, part))
 
-    def commit(self) -> None:
-        """Writes everything staged into the state dict (once every rank has read all)."""
+    def commit(self, sd: dict[str, Any]) -> None:
+        """Writes everything staged into ``sd`` (the state dict given to ``dcp.load``), once
+        every rank has read all: the tensors in place, the other values by their key path."""
         for item, part in self._tensors:
             target = self.resolve_tensor(item).detach()
             target.copy_(part)
             self.commit_tensor(item, target)
         for item, value in self._values:
-            self._set(item, value)
+            fqn = item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(sd, self.mappings[fqn], value)
+            else:
+                sd[fqn] = value
         self._tensors, self._values = [], []
-
-    def _set(self, item: ReadItem, value: Any) -> None:
-        fqn = item.dest_index.fqn
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], value)
-        else:
-            self.state_dict[fqn] = value
