@@ -41,6 +41,7 @@ def train_gpt(world: World, stage: int, strategy: str) -> tuple[list[torch.Tenso
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
     for step in range(STEPS):
         batch = tuple(t.to(world.device) for t in problem.data(step))
+        model.zero_grad(set_to_none=True)  # stage 1 keeps the full gradients, as torch.optim
         problem.loss(model, batch).backward()
         state = sharded.step(params, None, state)
         opt.zero_grad()

@@ -109,16 +109,17 @@ def select_kernel(
         >>> select_kernel([torch.zeros(2)], [torch.ones(2)], fused_on=frozenset({"cuda"}))
         <Kernel.FOREACH: 'foreach'>
     """
-    if any(g.dtype != p.dtype or g.device != p.device for p, g in zip(params, grads)):
-        return Kernel.PURE
-    if any(p.dtype not in _FLOAT_DTYPES for p in params):
-        return Kernel.PURE
-    if any(p.device.type not in fused_on for p in params):
-        return Kernel.FOREACH
-    # The fused kernels walk memory in order: every tensor must be laid out the same way.
-    if all(p.is_contiguous() and g.is_contiguous() for p, g in zip(params, grads)):
-        return Kernel.FUSED
-    return Kernel.FOREACH
+    kernel = Kernel.FUSED
+    for p, g in zip(params, grads):  # one pass: step() asks every step
+        device = p.device
+        if g.dtype != p.dtype or g.device != device or p.dtype not in _FLOAT_DTYPES:
+            return Kernel.PURE
+        if device.type not in fused_on:
+            kernel = Kernel.FOREACH
+        # The fused kernels walk memory in order: every tensor must be laid out the same way.
+        elif not (p.is_contiguous() and g.is_contiguous()):
+            kernel = Kernel.FOREACH
+    return kernel
 
 
 def split_state(state: Sequence[Any]) -> tuple[Any, list[Any]]:

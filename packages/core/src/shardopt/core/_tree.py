@@ -13,6 +13,9 @@ PyTree = Any
 __all__ = ["PyTree", "leafwise", "tree_leaves", "tree_map", "tree_structure", "zeros_like_tree"]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # leaves for any pytree registry
+
+
 def _is_none(x: Any) -> bool:
     return x is None
 
@@ -25,6 +28,8 @@ def tree_leaves(tree: PyTree) -> list[Any]:
         >>> tree_leaves({"a": torch.zeros(2), "b": [None, torch.ones(())]})
         [tensor([0., 0.]), None, tensor(1.)]
     """
+    if type(tree) is list and all(x is None or type(x) in _PLAIN for x in tree):
+        return list(tree)  # the usual case (a list of parameters), without the pytree walk
     return pytree.tree_flatten(tree, is_leaf=_is_none)[0]
 
 

@@ -355,8 +355,11 @@ def _to_update_dtype(
     grads: list[torch.Tensor | None], layout: FlatLayout, master: Masters
 ) -> list[torch.Tensor | None]:
     """The gradients in the dtype of what they update: master weights, else the parameters."""
+    dtypes = [master.dtype(g) or buf.dtype for g, buf in enumerate(layout.buffers)]
+    if all(g is None or g.dtype == dtypes[p.group] for g, p in zip(grads, layout.pieces)):
+        return grads  # the usual case: nothing to convert
     out = []
     for g, piece in zip(grads, layout.pieces):
-        dtype = master.dtype(piece.group) or layout.buffers[piece.group].dtype
+        dtype = dtypes[piece.group]
         out.append(g if g is None or g.dtype == dtype else g.to(dtype))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +26,9 @@ class BucketMap:
         self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)
         self.pieces = plan.pieces(rank)
         self._param_views: list[torch.Tensor] | None = None
+        # step() asks for the same views every step: kept with the tensors they view
+        self._shard_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._view_places: tuple[list[int], list[int], list[Any]] | None = None
         self._map_buckets()
 
     def _map_buckets(self) -> None:
@@ -81,8 +85,15 @@ class BucketMap:
         return shards[key[0]][off : off + self.bucket(key).shards[self.rank]]
 
     def piece_views(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views."""
-        return [shards[p.group][p.offset : p.offset + p.numel] for p in self.pieces]
+        """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views
+        (made once per set of shard tensors: step() asks again for the same ones)."""
+        cached = self._shard_views
+        if cached is not None and len(cached[0]) == len(shards):
+            if all(a is b for a, b in zip(cached[0], shards)):
+                return list(cached[1])
+        views = [shards[p.group][p.offset : p.offset + p.numel] for p in self.pieces]
+        self._shard_views = (list(shards), views)
+        return list(views)
 
     def grad_views(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Each piece's elements of full gradients ``grads`` (one per plan tensor), as views."""
@@ -128,10 +139,27 @@ class BucketMap:
         g, _, offset = self.plan.locate(t)
         return self.buffers[g].data_ptr() + offset * self.buffers[g].element_size()
 
+    def _still_views(self, params: Sequence[torch.Tensor]) -> bool:
+        """The fast path of check_views: every local tensor where and as it was (the addresses
+        are computed once per set of buffers)."""
+        bases = [b.data_ptr() for b in self.buffers]
+        if self._view_places is None or self._view_places[0] != bases:
+            addresses = [self.address_of(t) for t in range(len(self.plan.tensors))]
+            shapes = [spec.shape for spec in self.plan.tensors]
+            self._view_places = (bases, addresses, shapes)
+        _, addresses, shapes = self._view_places
+        for p, address, shape in zip(params, addresses, shapes):
+            p = local_tensor(p)
+            if (p.numel() > 0 and p.data_ptr() != address) or p.shape != shape:
+                return False
+        return True
+
     def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
         """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
         if len(params) != len(self.plan.tensors):
             return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
+        if self._still_views(params):
+            return None
         for t, p in enumerate(map(local_tensor, params)):
             moved = p.numel() > 0 and p.data_ptr() != self.address_of(t)
             if moved or tuple(p.shape) != self.plan.tensors[t].shape:

@@ -158,4 +158,5 @@ def _local_offsets(p: Any) -> Sequence[int]:
 
 def local_tensors(tree: PyTree) -> list[Any]:
     """The leaves of ``tree``, a DTensor as its local tensor ([Note: DTensor parameters])."""
-    return [x if x is None else local_tensor(x) for x in tree_leaves(tree)]
+    leaves = tree if type(tree) is list else tree_leaves(tree)
+    return [x if x is None else local_tensor(x) for x in leaves]

@@ -35,13 +35,24 @@ __all__ = ["cut_for_whole", "shaped", "update_and_sync"]
 # every bucket's call reads them, none writes them ([Note: hyperparameters of a sharded state]).
 
 
+_LAST_SLICEABLE: list[Any] = [None, -1, False]  # (inner, n, answer): step asks every step
+
+
 def _sliceable(inner: Any, n: int) -> bool:
+    last = _LAST_SLICEABLE
+    if last[0] is inner and last[1] == n:
+        return bool(last[2])
+    last[:] = [inner, n, _sliceable_walk(inner, n)]
+    return bool(last[2])
+
+
+def _sliceable_walk(inner: Any, n: int) -> bool:
     def stop(x: Any) -> bool:
         return (type(x) is list and len(x) == n) or isinstance(x, InjectHyperparamsState)
 
     for x in pytree.tree_leaves(inner, is_leaf=stop):
         if isinstance(x, InjectHyperparamsState):
-            if not _sliceable(x.inner, n):  # its hyperparameters are read-only
+            if not _sliceable_walk(x.inner, n):  # its hyperparameters are read-only
                 return False
         elif isinstance(x, torch.Tensor):
             return False
