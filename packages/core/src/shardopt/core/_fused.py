@@ -114,10 +114,8 @@ def select_kernel(
         device = p.device
         if g.dtype != p.dtype or g.device != device or p.dtype not in _FLOAT_DTYPES:
             return Kernel.PURE
-        if device.type not in fused_on:
-            kernel = Kernel.FOREACH
         # The fused kernels walk memory in order: every tensor must be laid out the same way.
-        elif not (p.is_contiguous() and g.is_contiguous()):
+        if device.type not in fused_on or not (p.is_contiguous() and g.is_contiguous()):
             kernel = Kernel.FOREACH
     return kernel
 

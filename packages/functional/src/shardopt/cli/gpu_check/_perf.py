@@ -119,9 +119,7 @@ def check_syncs(device: torch.device) -> list[Item]:
 CALLS = 10
 
 
-def cuda_times(
-    fn: Callable[[], Any], warmup: int, repeats: int, calls: int = 1
-) -> list[float]:
+def cuda_times(fn: Callable[[], Any], warmup: int, repeats: int, calls: int = 1) -> list[float]:
     """Seconds per call of ``fn`` by CUDA events, after ``warmup`` calls: ``repeats`` samples,
     each over ``calls`` back-to-back calls."""
     for _ in range(warmup):

@@ -88,9 +88,9 @@ class BucketMap:
         """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views
         (made once per set of shard tensors: step() asks again for the same ones)."""
         cached = self._shard_views
-        if cached is not None and len(cached[0]) == len(shards):
-            if all(a is b for a, b in zip(cached[0], shards)):
-                return list(cached[1])
+        same = cached is not None and len(cached[0]) == len(shards)
+        if same and all(a is b for a, b in zip(cached[0], shards)):  # type: ignore[index]
+            return list(cached[1])  # type: ignore[index]
         views = [shards[p.group][p.offset : p.offset + p.numel] for p in self.pieces]
         self._shard_views = (list(shards), views)
         return list(views)
