@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import adam, plan_partition
+from shardopt.functional.engine._failure import MAX_TEXT, error_text
 from shardopt.testing import World
 
 HOLD_S = 3.0  # the failing rank's process stays this long after its error
@@ -49,6 +50,36 @@ def zero_step_closure(failing: bool) -> Act:
 
     _backward(model)
     return lambda: zero.step(closure)
+
+
+class UnprintableError(RuntimeError):
+    """An error whose message cannot be formatted."""
+
+    def __str__(self) -> str:
+        raise ValueError("no message")
+
+
+def zero_step_raises(error: Callable[[], BaseException]) -> Callable[[bool], Act]:
+    """``zero.step`` whose closure raises ``error()`` on the failing rank."""
+
+    def case(failing: bool) -> Act:
+        from shardopt.optim import ZeroRedundancyOptimizer
+
+        model = _model()
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+
+        def closure() -> torch.Tensor:
+            if failing:
+                raise error()
+            return torch.tensor(0.0)
+
+        _backward(model)
+        return lambda: zero.step(closure)
+
+    return case
+
+
+HUGE = "\x1b[2J\u202e" + "x" * (32 << 20) + "\n"  # 32 MiB, with escapes and a newline
 
 
 def zero_step_bad_grad(failing: bool) -> Act:
@@ -154,6 +185,8 @@ def save_failed_write(failing: bool) -> Act:
 CASES: dict[str, Callable[[bool], Act]] = {
     "zero.step/closure raises": zero_step_closure,
     "zero.step/bad gradient": zero_step_bad_grad,
+    "zero.step/unprintable error": zero_step_raises(UnprintableError),
+    "zero.step/32 MiB error with escapes": zero_step_raises(lambda: RuntimeError(HUGE)),
     "zero.add_param_group on one rank": zero_add_param_group,
     "zero.consolidate_state_dict/out of memory": zero_consolidate,
     "shard.step/bad gradient": shard_step_bad_grad,
@@ -174,8 +207,8 @@ def run_case(rank: int, world: int, case: str, hold: float = HOLD_S) -> tuple[st
     try:
         act()
         out = ("no error", time.perf_counter() - start, "")
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        out = (type(exc).__name__, time.perf_counter() - start, str(exc))
+    except BaseException as exc:  # (any error of the API)
+        out = (type(exc).__name__, time.perf_counter() - start, error_text(exc, 1 << 16))
     if failing:
         time.sleep(hold)
     dist.destroy_process_group()  # the group cannot be used after a failure
@@ -188,6 +221,8 @@ TESTED = [  # (case, W, what the others' error must say besides the failing rank
     ("shard.step/bad gradient", 2, "ValueError: shard: expected grads[0] of shape"),
     ("grad hooks/out of memory", 3, "RuntimeError: CUDA out of memory"),
     ("zero.consolidate_state_dict/out of memory", 2, "RuntimeError: CUDA out of memory"),
+    ("zero.step/unprintable error", 2, "UnprintableError: <message unavailable: its __str__ raised"),
+    ("zero.step/32 MiB error with escapes", 2, "RuntimeError: \\x1b[2J\\u202exxxx"),
 ]
 
 
@@ -206,3 +241,27 @@ def test_when_one_rank_fails_every_other_rank_raises_rank_failed_error_naming_it
     assert seconds < HOLD_S  # told through the store, not by the failing rank's exit
     assert f"rank {n - 1}" in message
     assert says in message
+    assert len(message) < MAX_TEXT + 300  # the published text is bounded
+    assert message.isprintable()  # and escaped
+
+
+@pytest.mark.parametrize(
+    ("error", "text"),
+    [
+        (ValueError("plain"), "ValueError: plain"),
+        (ValueError("a\nb\x1b[0m\u202ec\x00"), "ValueError: a\\nb\\x1b[0m\\u202ec\\x00"),
+        (UnprintableError(), "UnprintableError: <message unavailable: its __str__ raised ValueError>"),
+    ],
+    ids=["plain", "control-characters", "unprintable"],
+)
+def test_the_published_text_escapes_control_characters_and_survives_unprintable_errors(
+    error: BaseException, text: str
+) -> None:
+    assert error_text(error) == text
+
+
+def test_the_published_text_is_at_most_4_kib_and_names_the_whole_length() -> None:
+    text = error_text(RuntimeError("\x07" * (32 << 20)))
+    assert len(text) == MAX_TEXT == 4096
+    assert text.startswith("RuntimeError: \\x07\\x07")
+    assert text.endswith(f" ... [cut: {len('RuntimeError: ') + (32 << 20)} characters in all]")
