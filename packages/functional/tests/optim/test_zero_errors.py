@@ -65,7 +65,15 @@ def only_the_agreement() -> Iterator[list[int]]:
 
 
 class SGDSubclass(torch.optim.SGD):
-    pass
+    """SGD on gradients scaled to unit norm per tensor: not elementwise."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(p.grad.norm())
+        return super().step(closure)
 
 
 def model() -> torch.nn.Module:
@@ -115,19 +123,28 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"and float64",
     ),
     (
-        "flat_with_a_subclass",
+        "flat_with_a_class_that_is_not_elementwise",
         lambda: ZeroRedundancyOptimizer(
             model().parameters(), SGDSubclass, lr=0.1, partition="flat"
         ),
         ValueError,
-        r"ZeroRedundancyOptimizer: partition='flat' needs an optimizer with a shardopt.core "
-        r"form, got SGDSubclass",
+        r"ZeroRedundancyOptimizer: partition='flat' cannot step SGDSubclass on slices of flat "
+        r"buffers: its update of an element depends on other elements",
     ),
     (
         "flat_with_lbfgs",
         lambda: ZeroRedundancyOptimizer(model().parameters(), torch.optim.LBFGS, partition="flat"),
         ValueError,
-        r"partition='flat' needs an optimizer with a shardopt.core form, got LBFGS",
+        r"partition='flat' cannot step LBFGS on slices of flat buffers: the probe could not "
+        r"step it on two small tensors \(TypeError: ",
+    ),
+    (
+        "coupled_class",
+        lambda: ZeroRedundancyOptimizer(model().parameters(), torch.optim.LBFGS),
+        ValueError,
+        r"ZeroRedundancyOptimizer: cannot shard LBFGS over 2 ranks: the probe could not step "
+        r"it on two small tensors .*; pass allow_coupled=True to accept a result that differs "
+        r"from one process's",
     ),
     (
         "flat_without_a_core_form",

@@ -48,15 +48,12 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
 
     - ``partition="greedy"`` (default): torch's assignment of whole parameters (see
       [Note: the greedy partition]); ``optim`` is ``optimizer_class(this rank's param groups,
-      **defaults)``, any ``torch.optim.Optimizer`` subclass whose update of a parameter reads no
-      other parameter: a class that a probe at construction finds coupled (Prodigy,
-      D-Adaptation, AdamS, Ranger21) or drawing random numbers (Kron) is refused on every rank
-      unless ``allow_coupled=True`` (see [Note: coupled optimizers]). The parameter sync goes
-      through
-      flat buffers: one broadcast per rank and bucket under gloo, one all-gather per bucket
-      under NCCL, not one call per parameter (see [Note: greedy parameter sync]). With
-      ``parameters_as_bucket_view=True`` the parameters become views of those buffers; without,
-      they keep their storage and small staging buffers carry them.
+      **defaults)``, any ``torch.optim.Optimizer`` subclass except those a probe finds coupled
+      (Prodigy, D-Adaptation, AdamS, Ranger21) or drawing random numbers (Kron), refused unless
+      ``allow_coupled=True`` ([Note: coupled optimizers]). The parameters sync through flat
+      buffers: one broadcast per rank and bucket under gloo, one all-gather per bucket under
+      NCCL (see [Note: greedy parameter sync]). With ``parameters_as_bucket_view=True`` the
+      parameters become views of those buffers; without, staging buffers carry them.
     - ``partition="flat"``: for the torch.optim classes with a shardopt.core form (SGD, Adam,
       AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD, Muon, Adafactor):
       shardopt's engine steps them through ``shardopt.functional.shard``; ``optim`` is a
@@ -191,32 +188,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
         Joinable.__init__(self)
         self._all_params: list[torch.Tensor] = list(all_params)
         self._default_device = self._all_params[0].device
-        where = {"group": self.process_group, "world_size": self.world_size}
-        if self._partition is Strategy.FLAT:
-            self._backend = flat_backend(
-                self.param_groups,
-                self._optim_constructor,
-                self._optim_defaults,
-                self._wire,
-                rank=self.rank,
-                **where,
-            )
-        else:
-            self._backend = GreedyBackend(
-                self.param_groups,
-                self._optim_constructor,
-                self._optim_defaults,
-                rank=self.rank,
-                bucket_view=bucket_view,
-                **where,
-            )
-            check_coupling(
-                self._optim_constructor,
-                self._optim_defaults,
-                self._all_params[0],  # the probe's dtype and device
-                world_size=self.world_size,
-                allow_coupled=self._allow_coupled,
-            )
+        self._backend = self._new_backend(bucket_view)
         return {
             "optimizer_class": self._optim_constructor,
             "partition": self._partition.value,
@@ -228,10 +200,26 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
             "param_groups": [group_fields(g) for g in self.param_groups],
         }
 
+    def _new_backend(self, bucket_view: bool) -> ZeroBackend:
+        """The partition's backend; raises for a class it cannot run exactly (local)."""
+        cls, defaults = self._optim_constructor, self._optim_defaults
+        where = {"group": self.process_group, "rank": self.rank, "world_size": self.world_size}
+        if self._partition is Strategy.FLAT:
+            return flat_backend(self.param_groups, cls, defaults, self._wire, **where)
+        backend = GreedyBackend(self.param_groups, cls, defaults, bucket_view=bucket_view, **where)
+        check_coupling(  # after torch's own checks, in the local optimizer's constructor
+            cls,
+            defaults,
+            self._all_params[0],  # the probe's dtype and device
+            world_size=self.world_size,
+            allow_coupled=self._allow_coupled,
+        )
+        return backend
+
     @property
     def optim(self) -> Any:
-        """The local optimizer: ``optimizer_class`` over this rank's share (greedy), or a
-        :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (flat)."""
+        """The local optimizer: ``optimizer_class`` over this rank's share (greedy, or flat for
+        a probed class), or a :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (flat)."""
         return self._backend.optim
 
     # -- stepping ------------------------------------------------------------------------------

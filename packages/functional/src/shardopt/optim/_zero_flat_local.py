@@ -192,9 +192,11 @@ class LocalFlatBackend:
         entries = {}
         where: dict[int, tuple[_Unit, int]] = {}
         for u in self.units:
-            for t, p in enumerate([] if u is None else u.params):
+            if u is None:
+                continue
+            for t, p in enumerate(u.params):
                 where[index[p]] = (u, t)
-            for leaf, piece in zip([] if u is None else u.leaves, [] if u is None else u.pieces):
+            for leaf, piece in zip(u.leaves, u.pieces):
                 if self.optim.state.get(leaf):
                     entries[index[u.params[piece.tensor]] * w + self.rank] = self.optim.state[leaf]
         gathered = gather_entries(entries, to=to, group=self.group)
@@ -237,8 +239,9 @@ class LocalFlatBackend:
             local_groups.append(
                 {**hyper, "params": list(range(index, index + len(group["params"])))}
             )
-            for piece in [] if unit is None else unit.pieces:
-                entry = entries.get(unit.params[piece.tensor])
+            held = [] if unit is None else [(unit.params[c.tensor], c) for c in unit.pieces]
+            for param, piece in held:
+                entry = entries.get(param)
                 if entry is not None:
                     state[index] = self._cut(entry, piece)
                 index += 1
