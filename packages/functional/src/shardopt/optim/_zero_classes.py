@@ -26,11 +26,16 @@ __all__ = ["check_coupling", "flat_backend", "steps_per_bucket"]
 # ZeroRedundancyOptimizer too. The constructor probes the class ([Note: optimizer probes]) and
 # every rank raises a ValueError naming it and the reason; ``allow_coupled=True`` accepts it
 # knowingly, with one UserWarning naming what was found. With one rank nothing is sharded and
-# nothing is probed. Probed couplings of popular classes (pytorch-optimizer 4.1.0, default
-# hyperparameters): Prodigy, DAdaptAdam, DAdaptSGD, DAdaptLion, AdamS, Ranger21, Adai (coupled),
-# Kron (random draws); uncoupled: Lion, Adan, ADOPT, MADGRAD, Lamb, LARS, AdaBelief, Yogi,
-# NovoGrad, AdamP, AdaBound, DiffGrad, Ranger, Tiger, LaProp, CAME, SOAP, AdEMAMix, StableAdamW,
-# APOLLO, QHAdam, SM3, lion-pytorch's Lion and schedulefree's AdamW and SGD.
+# nothing is probed. The probe's verdicts on popular classes (pytorch-optimizer 4.1.0,
+# lion-pytorch 0.2.5, schedulefree 1.4.1, default hyperparameters but lr):
+# - coupled: Prodigy, DAdaptAdam, DAdaptSGD, DAdaptLion, DAdaptAdan, DAdaptAdaGrad, AdamS,
+#   Ranger21, Adai; random draws: Kron.
+# - per parameter, not elementwise (greedy only): Lamb, LARS, NovoGrad, AdamP, Ranger, SOAP,
+#   CAME, StableAdamW, SM3, AggMo.
+# - elementwise (greedy and flat): Lion (both), Adan, ADOPT, MADGRAD, AdaBelief, Yogi, AdaBound,
+#   DiffGrad, Tiger, LaProp, AdEMAMix, APOLLO, QHAdam, schedulefree's AdamWScheduleFree and
+#   SGDScheduleFree, pytorch-optimizer's ScheduleFreeAdamW.
+# - not probeable without a closure or a Hessian (refused): SophiaH, and torch's LBFGS.
 #
 # [Note: stepping per bucket]
 # With ``overlap_with_ddp=True`` the DDP hooks may step each DDP bucket's parameters as soon as
