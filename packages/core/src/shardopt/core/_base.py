@@ -108,6 +108,11 @@ def with_whole_tensors(tx: Transformation, name: str = "the transformation") -> 
         True
     """
     WHOLE_TENSORS[tx.update] = name
+    from shardopt.core._kinds import Kind, declared, with_kind
+
+    found = declared(tx)
+    if found is None or Kind.SHAPED not in found.kind:
+        with_kind(tx, (found.kind if found else Kind.ELEMENTWISE) | Kind.SHAPED, name)
     return tx
 
 
@@ -127,8 +132,11 @@ def needs_whole_tensors(tx: Transformation) -> bool:
 
 def inherit_whole_tensors(tx: Transformation, inner: Iterable[Transformation]) -> Transformation:
     """Marks ``tx``, a combinator of ``inner``, if one of ``inner`` needs whole tensors."""
-    name = next((WHOLE_TENSORS[t.update] for t in inner if t.update in WHOLE_TENSORS), None)
-    return tx if name is None else with_whole_tensors(tx, name)
+    from shardopt.core._kinds import inherit_kind
+
+    members = tuple(inner)
+    name = next((WHOLE_TENSORS[t.update] for t in members if t.update in WHOLE_TENSORS), None)
+    return inherit_kind(tx if name is None else with_whole_tensors(tx, name), members)
 
 
 def chain(*transformations: Transformation) -> Transformation:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardopt.core._base import Transformation, stateless
+from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._reduce import current_scope, tree_norm
 from shardopt.core._tree import PyTree, leafwise, tree_leaves
 
 __all__ = ["clip", "clip_by_global_norm", "global_norm"]
@@ -53,17 +55,21 @@ def clip(max_delta: float | torch.Tensor) -> Transformation:
         new, _ = leafwise(rule, updates, None)
         return new
 
-    return stateless(apply)
+    return with_kind(stateless(apply), Kind.ELEMENTWISE, "clip")
 
 
 def global_norm(updates: PyTree) -> torch.Tensor | None:
-    """The 2-norm of all non-``None`` leaves seen as one vector, ``None`` if there are none.
+    """The 2-norm of all non-``None`` leaves seen as one vector, ``None`` if there are none (in
+    one process; under ``shard`` the whole tree's norm, 0 for none: see [Note: reductions across
+    shards]).
 
     Example:
         >>> import torch
         >>> global_norm([torch.tensor([3.0]), None, torch.tensor(4.0)])
         tensor(5.)
     """
+    if current_scope() is not None:  # pieces of tensors: summed over ranks (one all-reduce)
+        return tree_norm(updates)
     leaves = [g for g in tree_leaves(updates) if g is not None]
     if not leaves:
         return None
@@ -98,4 +104,4 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> Transformation:
         new, _ = leafwise(lambda g, p: (g * coef.to(g.device, g.dtype),), updates, None)
         return new
 
-    return stateless(apply)
+    return with_kind(stateless(apply), Kind.WHOLE_TREE, "clip_by_global_norm")

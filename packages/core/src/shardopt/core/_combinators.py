@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from torch.utils import _pytree as pytree
 
 from shardopt.core._base import Transformation, inherit_whole_tensors, needs_whole_tensors
+from shardopt.core._reduce import sub_scope, whole_reference
 from shardopt.core._tree import PyTree, tree_leaves, tree_structure
 
 __all__ = [
@@ -46,8 +47,36 @@ class PartitionState(NamedTuple):
     inner_states: dict[Hashable, Any]
 
 
+# [Note: masks and labels of whole tensors]
+# Under ``shard`` the leaves are pieces of tensors (1-D slices on a flat plan) and a rank holds
+# only some. A mask or labels computed on them would see slices (``dim() == 1``), and a static
+# tree would not match their structure. So where a scope is active (see [Note: reductions across
+# shards]) both are resolved on the whole parameters it describes (meta tensors of the user's
+# tree: shape, dim, numel, dtype, and the tree's keys as names), and each piece takes its
+# tensor's value; the inner transformations run in a narrowed scope (``sub_scope``) whose whole
+# parameters are those of their group, so nested combinators and reduction blocks still see
+# whole tensors.
+
+
 def _resolve(api: str, what: str, spec: LeafSpec, reference: PyTree) -> list[Any]:
-    """The per-leaf values of ``spec`` (a tree shaped like ``reference``, or a callable of it)."""
+    """The per-leaf values of ``spec`` (a tree shaped like ``reference``, or a callable of it):
+    of the leaves' whole tensors where a scope is active."""
+    return _resolve_whole(api, what, spec, reference)[0]
+
+
+def _resolve_whole(
+    api: str, what: str, spec: LeafSpec, reference: PyTree
+) -> tuple[list[Any], list[Any] | None]:
+    """(the per-leaf values of ``spec``, the values of every whole tensor in scope or None)."""
+    whole = whole_reference(reference)
+    if whole is None:
+        return _resolve_on(api, what, spec, reference), None
+    tree, of_leaf = whole
+    values = _resolve_on(api, what, spec, tree)
+    return [values[w] for w in of_leaf], values
+
+
+def _resolve_on(api: str, what: str, spec: LeafSpec, reference: PyTree) -> list[Any]:
     tree = spec(reference) if callable(spec) else spec
     got, expected = tree_structure(tree), tree_structure(reference)
     if got != expected:
@@ -65,18 +94,38 @@ def _check_same_structure(api: str, updates: PyTree, params: PyTree | None) -> N
         )
 
 
+class _Group(NamedTuple):
+    """The leaves of one mask value or label: their indices, and in a scope the indices of their
+    whole tensors among the scope's (None in one process)."""
+
+    index: list[int]
+    whole: list[int] | None
+
+
+def _groups(values: list[Any], whole: list[Any] | None, keys: Sequence[Any]) -> dict[Any, _Group]:
+    """The leaves (and whole tensors) of each key, from per-leaf and per-whole values."""
+    out = {}
+    for key in keys:
+        index = [i for i, v in enumerate(values) if v == key]
+        wholes = None if whole is None else [w for w, v in enumerate(whole) if v == key]
+        out[key] = _Group(index, wholes)
+    return out
+
+
 def _update_group(
     api: str,
     tx: Transformation,
-    index: Sequence[int],
+    group: _Group,
     updates: list[Any],
     params: list[Any] | None,
     state: Any,
     out: list[Any],
 ) -> Any:
-    """Runs ``tx`` on the leaves at ``index``, puts their updates in ``out``, returns its state."""
+    """Runs ``tx`` on the leaves of ``group``, puts their updates in ``out``, returns its state."""
+    index = group.index
     sub_params = None if params is None else [params[i] for i in index]
-    sub_updates, new_state = tx.update([updates[i] for i in index], state, sub_params)
+    with sub_scope(group.whole or [], index):
+        sub_updates, new_state = tx.update([updates[i] for i in index], state, sub_params)
     sub_leaves = tree_leaves(sub_updates)
     if len(sub_leaves) != len(index):
         raise ValueError(
@@ -109,31 +158,31 @@ def masked(inner: Transformation, mask: LeafSpec) -> Transformation:
         ValueError: if the mask has another structure than the params or a non-bool leaf.
     """
 
-    def flags_of(reference: PyTree) -> list[bool]:
-        flags = _resolve("masked", "a mask", mask, reference)
-        for i, flag in enumerate(flags):
+    def selected(reference: PyTree) -> _Group:
+        flags, whole = _resolve_whole("masked", "a mask", mask, reference)
+        for i, flag in enumerate(flags if whole is None else whole):
             if not isinstance(flag, bool):
                 raise ValueError(
                     f"masked: expected a mask of Python bools, got {type(flag).__name__} "
                     f"at leaf {i}"
                 )
-        return flags
+        return _groups(flags, whole, [True])[True]
 
     def init(params: PyTree) -> MaskedState:
-        leaves = tree_leaves(params)
-        return MaskedState(inner.init([p for p, f in zip(leaves, flags_of(params)) if f]))
+        leaves, group = tree_leaves(params), selected(params)
+        with sub_scope(group.whole or [], group.index):
+            return MaskedState(inner.init([leaves[i] for i in group.index]))
 
     def update(
         updates: PyTree, state: MaskedState, params: PyTree | None = None
     ) -> tuple[PyTree, MaskedState]:
         _check_same_structure("masked", updates, params)
         leaves, spec = pytree.tree_flatten(updates, is_leaf=lambda x: x is None)
-        flags = flags_of(updates if params is None else params)
-        index = [i for i, f in enumerate(flags) if f]
+        group = selected(updates if params is None else params)
         out = list(leaves)
         p_leaves = None if params is None else tree_leaves(params)
         inner_state = _update_group(
-            "masked", inner, index, leaves, p_leaves, state.inner_state, out
+            "masked", inner, group, leaves, p_leaves, state.inner_state, out
         )
         return pytree.tree_unflatten(out, spec), MaskedState(inner_state)
 
@@ -165,18 +214,18 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
         raise ValueError("partition: expected at least one transformation, got none")
 
     def labels_of(reference: PyTree) -> list[Hashable]:
-        return _known_labels(labels, reference, txs)
+        return _known_labels(labels, reference, txs)[0]
 
-    def groups_of(reference: PyTree) -> dict[Hashable, list[int]]:
-        groups: dict[Hashable, list[int]] = {label: [] for label in txs}
-        for i, label in enumerate(labels_of(reference)):
-            groups[label].append(i)
-        return groups
+    def groups_of(reference: PyTree) -> dict[Hashable, _Group]:
+        return _groups(*_known_labels(labels, reference, txs), list(txs))
 
     def init(params: PyTree) -> PartitionState:
         leaves = tree_leaves(params)
-        groups = groups_of(params)
-        return PartitionState({k: txs[k].init([leaves[i] for i in groups[k]]) for k in txs})
+        states = {}
+        for k, group in groups_of(params).items():
+            with sub_scope(group.whole or [], group.index):
+                states[k] = txs[k].init([leaves[i] for i in group.index])
+        return PartitionState(states)
 
     def update(
         updates: PyTree, state: PartitionState, params: PyTree | None = None
@@ -206,16 +255,17 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
 
 def _known_labels(
     labels: LeafSpec, reference: PyTree, txs: Mapping[Hashable, Transformation]
-) -> list[Hashable]:
-    """partition's label of each leaf of ``reference``; raises unless each is a key of ``txs``."""
-    out = _resolve("partition", "labels", labels, reference)
-    for i, label in enumerate(out):
+) -> tuple[list[Hashable], list[Hashable] | None]:
+    """partition's label of each leaf of ``reference`` (and in a scope of each whole tensor);
+    raises unless each is a key of ``txs``."""
+    out, whole = _resolve_whole("partition", "labels", labels, reference)
+    for i, label in enumerate(out if whole is None else whole):
         if label not in txs:
             raise ValueError(
                 f"partition: expected every label to be one of {list(txs)}, got {label!r} "
                 f"at leaf {i}"
             )
-    return out
+    return out, whole
 
 
 class PartitionRule(NamedTuple):

@@ -6,6 +6,12 @@ flat rules (the fast path over flat buffers, see [Note: flat fast path]) and the
 cannot run on flat slices ([Note: whole tensors]), the validated hyperparameters that the fused
 optimizers run from (every optimizer keeps its own in a frozen ``<Name>Hyperparams``), and the
 torch compatibility record of every optimizer ([Note: torch compatibility records]).
+
+Writing a transformation that shards exactly: declare how it reads its inputs with
+``with_kind`` (``Kind.ELEMENTWISE``, ``PER_TENSOR``, ``WHOLE_TREE``, ``SHAPED``: see
+[Note: kinds]), and take every reduction over a whole tensor or over the tree through the
+reduction blocks (``tensor_norm``, ``tree_sum_sq``, ...: see [Note: reductions across shards]),
+called unconditionally. An undeclared transformation is probed by ``shard`` (``probe_kind``).
 """
 
 from shardopt.core._adagrad import AdagradHyperparams
@@ -13,6 +19,25 @@ from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tensors
 from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
 from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
+from shardopt.core._kinds import Kind, inherit_kind, kind_of, with_kind
+from shardopt.core._probe import probe_kind
+from shardopt.core._reduce import (
+    Reducer,
+    Scope,
+    current_scope,
+    in_scope,
+    safe_norm,
+    sub_scope,
+    tensor_max_abs,
+    tensor_norm,
+    tensor_sum,
+    tensor_sum_sq,
+    tree_max_abs,
+    tree_nonfinite_count,
+    tree_norm,
+    tree_sum_sq,
+    whole_reference,
+)
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._schedules import resolve
 from shardopt.core._sgd import SGDHyperparams
@@ -27,6 +52,26 @@ from shardopt.core._tree import (
 )
 
 __all__ = [
+    "Kind",
+    "Reducer",
+    "Scope",
+    "current_scope",
+    "in_scope",
+    "inherit_kind",
+    "kind_of",
+    "probe_kind",
+    "safe_norm",
+    "sub_scope",
+    "tensor_max_abs",
+    "tensor_norm",
+    "tensor_sum",
+    "tensor_sum_sq",
+    "tree_max_abs",
+    "tree_nonfinite_count",
+    "tree_norm",
+    "tree_sum_sq",
+    "whole_reference",
+    "with_kind",
     "TORCH_COMPAT",
     "AdagradHyperparams",
     "AdamHyperparams",

@@ -1,0 +1,251 @@
+"""Reductions that give the whole tensor's (or whole tree's) value wherever they run.
+
+[Note: reductions across shards]
+A per-tensor or whole-tree transformation (see [Note: kinds]) needs sums, norms or maxima over
+whole tensors. In one process its leaves are whole and these blocks compute directly (and trace
+under ``torch.func``). Under ``shard`` its leaves are this rank's pieces of the tensors: the
+engine installs a :class:`Scope` for the update (``in_scope``), which says which plan tensor each
+leaf is a piece of, and a :class:`Reducer` that sums (or maxes) a vector of per-tensor partials
+over the ranks holding pieces. Each block call then costs one small all-reduce of one float32 per
+plan tensor (or one scalar for a whole-tree block), made on every rank whatever it holds: blocks
+must be called unconditionally, not behind a test of local values (a rank with no pieces still
+takes part). ``masked`` and ``partition`` narrow the scope to the leaves they pass on
+(``sub_scope``), so nested blocks still know their tensors; they resolve their masks and labels
+on the whole parameters the scope describes (``whole_reference``), never on the pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from shardopt.core._tree import PyTree, tree_leaves, tree_map
+
+__all__ = [
+    "Reducer",
+    "Scope",
+    "current_scope",
+    "in_scope",
+    "safe_norm",
+    "sub_scope",
+    "tensor_max_abs",
+    "tensor_norm",
+    "tensor_sum",
+    "tensor_sum_sq",
+    "tree_max_abs",
+    "tree_nonfinite_count",
+    "tree_norm",
+    "tree_sum_sq",
+    "whole_reference",
+]
+
+
+class Reducer(Protocol):
+    """What the engine gives the blocks: ``combine(values, ids, op)`` takes one partial per leaf
+    (``values``, float32) and the plan tensor of each (``ids``; -1 for the whole tree), and
+    returns each leaf's value over the whole tensor, or the tree's, after one collective; ``op``
+    is ``"sum"`` or ``"max"``."""
+
+    def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor: ...
+
+
+class Scope(NamedTuple):
+    """The leaves a transformation is updating, as pieces of whole tensors.
+
+    ``tree``: the whole parameters in scope, as the user structured them, with meta tensors of
+    their shapes and dtypes (what masks and labels are resolved on); ``ids``: the plan tensor of
+    each of ``tree``'s leaves; ``of_leaf``: for each leaf being updated, the index of its whole
+    tensor among ``tree``'s leaves; ``reducer``: the collective behind the blocks.
+    """
+
+    tree: PyTree
+    ids: tuple[int, ...]
+    of_leaf: tuple[int, ...]
+    reducer: Reducer
+
+
+_SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("shardopt_scope")
+
+
+def current_scope() -> Scope | None:
+    """The active :class:`Scope`, or None in one process."""
+    return _SCOPE.get(None)
+
+
+@contextlib.contextmanager
+def in_scope(scope: Scope | None) -> Iterator[None]:
+    """Runs the body with ``scope`` active (None: as in one process)."""
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def whole_reference(reference: PyTree) -> tuple[PyTree, tuple[int, ...]] | None:
+    """Under a scope whose leaves are ``reference``'s: (the whole parameters in scope, the index
+    of each of ``reference``'s leaves among theirs); None in one process."""
+    scope = current_scope()
+    if scope is None:
+        return None
+    n = len(tree_leaves(reference))
+    if n != len(scope.of_leaf):
+        raise ValueError(
+            f"shard: expected a transformation to be given the {len(scope.of_leaf)} leaves of its "
+            f"scope, got {n} (a combinator that passes on part of its leaves must narrow the "
+            "scope with shardopt.core.blocks.sub_scope)"
+        )
+    return scope.tree, scope.of_leaf
+
+
+@contextlib.contextmanager
+def sub_scope(selected_whole: Sequence[int], index: Sequence[int]) -> Iterator[None]:
+    """Narrows the active scope (if any) for an inner transformation that gets leaves ``index``
+    of the current ones, whose whole tensors are ``selected_whole`` (indices among the scope's
+    whole leaves, in order): the inner one's whole tree is the list of those."""
+    scope = current_scope()
+    if scope is None:
+        yield
+        return
+    whole = tree_leaves(scope.tree)
+    position = {w: k for k, w in enumerate(selected_whole)}
+    narrowed = Scope(
+        [whole[w] for w in selected_whole],
+        tuple(scope.ids[w] for w in selected_whole),
+        tuple(position[scope.of_leaf[i]] for i in index),
+        scope.reducer,
+    )
+    with in_scope(narrowed):
+        yield
+
+
+def _per_leaf(tree: PyTree, partial: Any, op: str) -> PyTree:
+    """Each leaf's ``partial(leaf)`` (a 0-d tensor), combined over whole tensors in a scope."""
+    scope = current_scope()
+    if scope is None:
+        return tree_map(lambda x: None if x is None else partial(x), tree)
+    leaves = tree_leaves(tree)
+    if len(leaves) != len(scope.of_leaf):
+        whole_reference(tree)  # raises the message naming the scope
+    values = _stacked([None if x is None else partial(x) for x in leaves])
+    ids = [scope.ids[w] for w in scope.of_leaf]
+    combined = scope.reducer.combine(values, ids, op)
+    out = [None if x is None else combined[i].to(x.device) for i, x in enumerate(leaves)]
+    return _unflatten_like(tree, out)
+
+
+def _stacked(parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """The float32 vector of ``parts`` (0 for None), on their device (no host sync)."""
+    device = next((p.device for p in parts if p is not None), torch.device("cpu"))
+    if not parts:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([zero if p is None else p.float().to(device) for p in parts])
+
+
+def _unflatten_like(tree: PyTree, leaves: list[Any]) -> PyTree:
+    from torch.utils import _pytree as pytree
+
+    _, spec = pytree.tree_flatten(tree, is_leaf=lambda x: x is None)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _over_tree(tree: PyTree, partial: Any, op: str) -> torch.Tensor:
+    """``partial`` of every non-None leaf, combined by ``op`` over the whole tree (0-d)."""
+    parts = _stacked([partial(x) for x in tree_leaves(tree) if x is not None])
+    if parts.numel() == 0:
+        local = parts.new_zeros(())
+    else:
+        local = parts.sum() if op == "sum" else parts.max()
+    scope = current_scope()
+    if scope is None:
+        return local
+    return scope.reducer.combine(local.reshape(1), [-1], op)[0]
+
+
+def _sum_sq(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x.float(), 2.0).square()
+
+
+def tensor_sum_sq(tree: PyTree) -> PyTree:
+    """Per leaf: the sum of squares of its whole tensor (float32 0-d; None stays None).
+
+    Example:
+        >>> import torch
+        >>> tensor_sum_sq([torch.tensor([3.0, 4.0]), None])
+        [tensor(25.), None]
+    """
+    return _per_leaf(tree, _sum_sq, "sum")
+
+
+def tensor_norm(tree: PyTree) -> PyTree:
+    """Per leaf: the 2-norm of its whole tensor, ``sqrt(sum x**2)`` (float32 0-d).
+
+    Example:
+        >>> import torch
+        >>> tensor_norm([torch.tensor([3.0, 4.0])])
+        [tensor(5.)]
+    """
+    if current_scope() is None:  # one process: torch's own norm, bitwise as clip_grad_norm_
+        return tree_map(lambda x: None if x is None else torch.linalg.vector_norm(x, 2.0), tree)
+    return tree_map(lambda s: None if s is None else s.sqrt(), tensor_sum_sq(tree))
+
+
+def tensor_sum(tree: PyTree) -> PyTree:
+    """Per leaf: the sum of the elements of its whole tensor (float32 0-d)."""
+    return _per_leaf(tree, lambda x: x.float().sum(), "sum")
+
+
+def tensor_max_abs(tree: PyTree) -> PyTree:
+    """Per leaf: the largest absolute value in its whole tensor (float32 0-d; 0 for empty)."""
+    return _per_leaf(tree, lambda x: x.abs().max().float() if x.numel() else x.new_zeros(()), "max")
+
+
+def tree_sum_sq(tree: PyTree) -> torch.Tensor:
+    """The sum of squares of every element of every non-None leaf (float32 0-d).
+
+    Example:
+        >>> import torch
+        >>> tree_sum_sq({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+        tensor(25.)
+    """
+    return _over_tree(tree, _sum_sq, "sum")
+
+
+def tree_norm(tree: PyTree) -> torch.Tensor:
+    """The 2-norm of every non-None leaf seen as one vector (float32 0-d)."""
+    return tree_sum_sq(tree).sqrt()
+
+
+def tree_max_abs(tree: PyTree) -> torch.Tensor:
+    """The largest absolute value over every non-None leaf (float32 0-d; 0 for none)."""
+    return _over_tree(tree, lambda x: x.abs().max() if x.numel() else x.new_zeros(()), "max")
+
+
+def tree_nonfinite_count(tree: PyTree) -> torch.Tensor:
+    """How many elements of the tree are inf or nan (float32 0-d, exact below 2**24).
+
+    Example:
+        >>> import torch
+        >>> tree_nonfinite_count([torch.tensor([1.0, float("nan"), float("inf")])])
+        tensor(2.)
+    """
+    return _over_tree(tree, lambda x: (~torch.isfinite(x)).sum(), "sum")
+
+
+def safe_norm(x: torch.Tensor, min_norm: float, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+    """``max(norm(x), min_norm)`` along ``dim`` (all of ``x`` when None), elementwise local: a
+    norm whose gradient stays finite at zero. For a whole tensor's norm across shards use
+    :func:`tensor_norm`.
+
+    Example:
+        >>> import torch
+        >>> safe_norm(torch.zeros(3), 1e-6), safe_norm(torch.tensor([3.0, 4.0]), 1e-6)
+        (tensor(1.0000e-06), tensor(5.))
+    """
+    norm = torch.linalg.vector_norm(x, 2.0, dim=dim, keepdim=keepdim)
+    return torch.clamp(norm, min=min_norm)
