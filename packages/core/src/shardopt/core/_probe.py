@@ -38,7 +38,9 @@ def _inputs(scale: float) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]
     return params, grads
 
 
-def _run(tx: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+def _run(
+    tx: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]
+) -> list[torch.Tensor]:
     """The updates of two steps, flattened per tensor and joined: [matrix, vector]."""
     params = [p.clone() for p in params]
     state = tx.init(params)

@@ -237,7 +237,9 @@ def tree_nonfinite_count(tree: PyTree) -> torch.Tensor:
     return _over_tree(tree, lambda x: (~torch.isfinite(x)).sum(), "sum")
 
 
-def safe_norm(x: torch.Tensor, min_norm: float, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+def safe_norm(
+    x: torch.Tensor, min_norm: float, dim: Any = None, keepdim: bool = False
+) -> torch.Tensor:
     """``max(norm(x), min_norm)`` along ``dim`` (all of ``x`` when None), elementwise local: a
     norm whose gradient stays finite at zero. For a whole tensor's norm across shards use
     :func:`tensor_norm`.

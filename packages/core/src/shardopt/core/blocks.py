@@ -20,6 +20,7 @@ from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tens
 from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
 from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
 from shardopt.core._kinds import Kind, inherit_kind, kind_of, with_kind
+from shardopt.core._plan_spec import local_tensor
 from shardopt.core._probe import probe_kind
 from shardopt.core._reduce import (
     Reducer,
@@ -38,7 +39,6 @@ from shardopt.core._reduce import (
     tree_sum_sq,
     whole_reference,
 )
-from shardopt.core._plan_spec import local_tensor
 from shardopt.core._schedules import resolve
 from shardopt.core._sgd import SGDHyperparams
 from shardopt.core._torch_compat import TORCH_COMPAT, TorchCompat, torch_compat
