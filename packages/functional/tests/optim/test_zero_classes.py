@@ -279,3 +279,32 @@ def test_train_and_eval_exist_only_where_the_local_optimizer_has_them(world: Wor
     assert not hasattr(zero, "eval")
     with pytest.raises(AttributeError, match=r"ZeroRedundancyOptimizer.train: the local"):
         zero.train()
+
+
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_flat_slices_take_a_new_param_group_and_defer_their_gathers_to_the_forward(
+    world: World,
+) -> None:
+    """A probed class under partition='flat': add_param_group gives the new group buffers of
+    its own; register_param_hooks leaves the gathers to the next forward; both as one process."""
+    ref_model = build_model()
+    ref = CountingSignSGD(ref_model[0].parameters(), lr=0.01)
+    model = build_model()
+    zero = ZeroRedundancyOptimizer(
+        model[0].parameters(), CountingSignSGD, lr=0.01, partition="flat"
+    )
+    hooks = zero.register_param_hooks(model)
+    for step in range(STEPS):
+        if step == 1:
+            ref.add_param_group({"params": list(ref_model[2].parameters()), "lr": 0.02})
+            zero.add_param_group({"params": list(model[2].parameters()), "lr": 0.02})
+        grads = mean_gradients(model, step, world.world_size)  # the forward waits
+        for p, q, g in zip(model.parameters(), ref_model.parameters(), grads):
+            p.grad, q.grad = g, g.clone()
+        zero.step()
+        ref.step()
+    zero.wait_params()
+    for h in hooks:
+        h.remove()
+    got = [p.detach() for p in model.parameters()]
+    assert_bitwise(got, [p.detach() for p in ref_model.parameters()], "flat slices")
