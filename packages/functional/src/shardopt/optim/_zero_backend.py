@@ -13,15 +13,18 @@ __all__ = ["ZeroBackend", "reseat"]
 
 # [Note: one backend]
 # ZeroRedundancyOptimizer is one class over two partitions. Its constructor picks the backend
-# once, from ``partition``: a GreedyBackend (torch's local optimizer over whole parameters,
-# ``optim/_zero_greedy.py``) or a FlatBackend (shardopt.core's update over flat slices,
-# ``optim/_zero_flat_backend.py``); nothing else branches on the partition. The class keeps what
+# once, from ``partition`` and the class: a GreedyBackend (torch's local optimizer over whole
+# parameters, ``optim/_zero_greedy.py``), a FlatBackend (shardopt.core's update over flat
+# slices, ``optim/_zero_flat_backend.py``) or, for a class without a core form that the probe
+# finds elementwise, a LocalFlatBackend (the class itself over flat slices,
+# ``optim/_zero_flat_local.py``); nothing else branches on the partition. The class keeps what
 # torch's has whatever the partition: the param groups, the cross-rank checks of its input, Join,
 # the answers of ``state_dict`` ([Note: state dicts without consolidation]) and the caches of
 # torch's partition attributes. Every collective on parameters or optimizer state is the
 # backend's, and each backend runs them on shardopt.functional's engine: the greedy one syncs
 # through a FlatLayout (bucket views) or its staged storage and consolidates by the windowed
-# gathers of [Note: entries by gathers]; the flat one is ``shard`` itself.
+# gathers of [Note: entries by gathers]; the flat one is ``shard`` itself; the local flat one
+# syncs through one FlatLayout per param group and consolidates by the same gathers.
 
 
 class ZeroBackend(Protocol):
