@@ -31,6 +31,43 @@ from shardopt.core._flat import update_flat_
 from shardopt.core._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from shardopt.core._muon import ScaleByMuonState, muon, newton_schulz_flops
 from shardopt.core._nadam import ScaleByNadamState, nadam
+from shardopt.core._optax_adaptive import (
+    ScaleByAdanState,
+    ScaleByAdemamixState,
+    ScaleByMomentsState,
+    adabelief,
+    adan,
+    ademamix,
+    adopt,
+    yogi,
+)
+from shardopt.core._optax_sign import EmaState, ScaleByLionState, ema, lion, sign_sgd, signum
+from shardopt.core._optax_transforms import (
+    AddNoiseState,
+    ZeroNansState,
+    adaptive_grad_clip,
+    add_noise,
+    centralize,
+    zero_nans,
+)
+from shardopt.core._optax_trust import (
+    ScaleByNovogradState,
+    clip_by_block_rms,
+    lamb,
+    lars,
+    novograd,
+    scale_by_trust_ratio,
+)
+from shardopt.core._optax_wrappers import (
+    ApplyIfFiniteState,
+    LookaheadState,
+    ScheduleFreeState,
+    apply_if_finite,
+    lookahead,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+)
 from shardopt.core._plan import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
@@ -63,6 +100,40 @@ from shardopt.core._transforms import (
 )
 
 __all__ = [
+    "AddNoiseState",
+    "ApplyIfFiniteState",
+    "EmaState",
+    "LookaheadState",
+    "ScaleByAdanState",
+    "ScaleByAdemamixState",
+    "ScaleByLionState",
+    "ScaleByMomentsState",
+    "ScaleByNovogradState",
+    "ScheduleFreeState",
+    "ZeroNansState",
+    "adabelief",
+    "adan",
+    "adaptive_grad_clip",
+    "add_noise",
+    "ademamix",
+    "adopt",
+    "apply_if_finite",
+    "centralize",
+    "clip_by_block_rms",
+    "ema",
+    "lamb",
+    "lars",
+    "lion",
+    "lookahead",
+    "novograd",
+    "scale_by_trust_ratio",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "sign_sgd",
+    "signum",
+    "yogi",
+    "zero_nans",
     "Bucket",
     "DEFAULT_BUCKET_NUMEL",
     "EmptyState",

@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay, expect
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import adadelta_, add_like_torch, prologue
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -77,7 +78,7 @@ def _adadelta_step(hp: AdadeltaHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, params, *state)
         return new, ScaleByAdadeltaState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "adadelta")
 
 
 def adadelta(
@@ -108,4 +109,6 @@ def adadelta(
     hp = AdadeltaHyperparams(lr, rho, eps, weight_decay, maximize)
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _adadelta_step(hp))
-    return with_flat_rule(tx, partial(adadelta_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(adadelta_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "adadelta"
+    )

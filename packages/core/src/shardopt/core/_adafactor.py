@@ -7,9 +7,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt.core._base import Transformation, chain, init_count, with_whole_tensors
+from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_pair, check_weight_decay, expect
 from shardopt.core._foreach import add_like_torch, decays, lr_scalar, operand, prologue
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._scalars import python_float_pow_half
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_map
@@ -147,7 +148,7 @@ def _adafactor_step(hp: AdafactorHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, params, *state)
         return new, ScaleByAdafactorState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.SHAPED, "adafactor")
 
 
 def adafactor(
@@ -183,4 +184,4 @@ def adafactor(
     """
     hp = AdafactorHyperparams(lr, beta2_decay, eps, d, weight_decay, maximize)
     links = prologue(maximize, 0.0)
-    return chain(*links, with_whole_tensors(_adafactor_step(hp), "adafactor"))
+    return with_kind(chain(*links, _adafactor_step(hp)), Kind.SHAPED, "adafactor")

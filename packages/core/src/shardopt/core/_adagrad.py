@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import expect_nonnegative
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_adagrad_
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._scalars import cast_like, divide_learning_rate, is_zero
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._transforms import add_decayed_weights, scale
@@ -77,7 +78,7 @@ def scale_by_adagrad(
         new, (count, acc) = leafwise(rule, updates, None, state.count, state.sum)
         return new, ScaleByAdagradState(count, acc)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "scale_by_adagrad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,4 +149,8 @@ def adagrad(
             ``adagrad: expected 0 <= lr_decay, got -1.0``.
     """
     hp = AdagradHyperparams(lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize)
-    return with_flat_rule(hp.build(), functools.partial(update_adagrad_, hp))
+    return with_kind(
+        with_flat_rule(hp.build(), functools.partial(update_adagrad_, hp)),
+        Kind.ELEMENTWISE,
+        "adagrad",
+    )

@@ -12,6 +12,7 @@ from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_adam_
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._scalars import (
     cast_like,
     divide_learning_rate,
@@ -126,7 +127,7 @@ def scale_by_adam(
         new, parts = leafwise(rule, updates, None, state.count, state.mu, state.nu, *moments)
         return new, ScaleByAdamState(*parts, *((None,) if not amsgrad else ()))
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "scale_by_adam")
 
 
 def add_decoupled_weight_decay(
@@ -163,7 +164,7 @@ def add_decoupled_weight_decay(
         new, parts = leafwise(rule, updates, params, *counts)
         return new, ScaleByScheduleState(*parts) if scheduled else state
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "add_decoupled_weight_decay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +252,9 @@ def adam(
     hp = AdamHyperparams(
         "adam", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, decoupled_weight_decay
     )
-    return with_flat_rule(hp.build(), functools.partial(update_adam_, hp))
+    return with_kind(
+        with_flat_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adam"
+    )
 
 
 def adamw(
@@ -275,4 +278,6 @@ def adamw(
         [tensor([0.8500])]
     """
     hp = AdamHyperparams("adamw", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, True)
-    return with_flat_rule(hp.build(), functools.partial(update_adam_, hp))
+    return with_kind(
+        with_flat_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adamw"
+    )

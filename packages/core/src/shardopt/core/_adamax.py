@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_betas, check_learning_rate, check_weight_decay, expect
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import adamax_, lr_scalar, operand, prologue
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -76,7 +77,7 @@ def _adamax_step(hp: AdamaxHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, None, *state)
         return new, ScaleByAdamaxState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "adamax")
 
 
 def adamax(
@@ -107,4 +108,6 @@ def adamax(
     hp = AdamaxHyperparams(lr, betas, eps, weight_decay, maximize)
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _adamax_step(hp))
-    return with_flat_rule(tx, partial(adamax_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(adamax_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "adamax"
+    )

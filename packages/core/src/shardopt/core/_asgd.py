@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import add_like_torch, asgd_, lr_scalar, operand, prologue
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_map, zeros_like_tree
 
@@ -122,7 +123,7 @@ def _asgd_step(hp: AsgdHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, params, *state)
         return new, ScaleByAsgdState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "asgd")
 
 
 def asgd(
@@ -156,4 +157,6 @@ def asgd(
     hp = AsgdHyperparams(lr, lambd, alpha, t0, weight_decay, maximize)
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _asgd_step(hp))
-    return with_flat_rule(tx, partial(asgd_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(asgd_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "asgd"
+    )

@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardopt.core._base import Transformation, chain, init_count, with_whole_tensors
+from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay, expect
 from shardopt.core._foreach import add_like_torch, lr_scalar, operand
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_leaves, zeros_like_tree
 
@@ -155,7 +156,7 @@ def _muon_step(hp: MuonHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, params, *state)
         return new, ScaleByMuonState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.SHAPED, "muon")
 
 
 def muon(
@@ -193,4 +194,4 @@ def muon(
     hp = MuonHyperparams(
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn
     )
-    return chain(with_whole_tensors(_muon_step(hp), "muon"))
+    return with_kind(chain(_muon_step(hp)), Kind.SHAPED, "muon")

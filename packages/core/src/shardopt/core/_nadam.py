@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_betas, check_learning_rate, check_weight_decay, expect
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import decays, lr_scalar, nadam_, operand, prologue
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_map, zeros_like_tree
 
@@ -116,7 +117,7 @@ def _nadam_step(hp: NadamHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, params, *state)
         return new, ScaleByNadamState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "nadam")
 
 
 def nadam(
@@ -153,4 +154,6 @@ def nadam(
     )
     links = prologue(maximize, 0.0 if decoupled_weight_decay else weight_decay)
     tx = chain(*links, _nadam_step(hp))
-    return with_flat_rule(tx, partial(nadam_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(nadam_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "nadam"
+    )

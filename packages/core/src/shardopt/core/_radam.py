@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_betas, check_learning_rate, check_weight_decay, expect
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import decays, lr_scalar, operand, prologue, radam_, sqrt_like_python
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -103,7 +104,7 @@ def _radam_step(hp: RadamHyperparams) -> Transformation:
         new, parts = leafwise(rule, updates, params, *state)
         return new, ScaleByRadamState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "radam")
 
 
 def radam(
@@ -136,4 +137,6 @@ def radam(
     hp = RadamHyperparams(lr, betas, eps, weight_decay, decoupled_weight_decay, maximize)
     links = prologue(maximize, 0.0 if decoupled_weight_decay else weight_decay)
     tx = chain(*links, _radam_step(hp))
-    return with_flat_rule(tx, partial(radam_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(radam_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "radam"
+    )

@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay, expect
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import add_like_torch, operand, prologue, rmsprop_
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -106,7 +107,7 @@ def _rmsprop_step(hp: RmspropHyperparams) -> Transformation:
             count, square_avg, grad_avg if centered else None, buf if momentum > 0 else None
         )
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "rmsprop")
 
 
 def rmsprop(
@@ -140,4 +141,6 @@ def rmsprop(
     hp = RmspropHyperparams(lr, alpha, eps, weight_decay, momentum, centered, maximize)
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _rmsprop_step(hp))
-    return with_flat_rule(tx, partial(rmsprop_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(rmsprop_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "rmsprop"
+    )

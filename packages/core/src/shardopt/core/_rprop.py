@@ -12,6 +12,7 @@ from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_pair, expect
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import rprop_
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._transforms import scale
 from shardopt.core._tree import PyTree, leafwise, tree_map, zeros_like_tree
 
@@ -99,7 +100,7 @@ def scale_by_rprop(
         new, parts = leafwise(rule, updates, None, *state)
         return new, ScaleByRpropState(*parts)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "scale_by_rprop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,4 +143,6 @@ def rprop(
     hp = RpropHyperparams(lr, etas, step_sizes, maximize)
     links = [scale(-1.0)] if maximize else []
     tx = chain(*links, scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
-    return with_flat_rule(tx, partial(rprop_, hp=hp, at=len(links)))
+    return with_kind(
+        with_flat_rule(tx, partial(rprop_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "rprop"
+    )

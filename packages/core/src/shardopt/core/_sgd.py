@@ -12,6 +12,7 @@ from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
 from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_sgd_
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._scalars import is_zero, learning_rate_at
 from shardopt.core._schedules import ScalarOrSchedule
 from shardopt.core._transforms import ScaleByScheduleState, add_decayed_weights, scale
@@ -55,7 +56,7 @@ def step_by_learning_rate(learning_rate: ScalarOrSchedule) -> Transformation:
         new, parts = leafwise(rule, updates, params, *counts)
         return new, ScaleByScheduleState(*parts) if scheduled else state
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "step_by_learning_rate")
 
 
 class TraceState(NamedTuple):
@@ -103,7 +104,7 @@ def trace(momentum: float, dampening: float = 0.0, *, nesterov: bool = False) ->
         new, (count, buf) = leafwise(rule, updates, None, state.count, state.momentum)
         return new, TraceState(count, buf)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "trace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,4 +171,6 @@ def sgd(
             ``sgd: expected 0 <= momentum, got -0.1``.
     """
     hp = SGDHyperparams(lr, momentum, dampening, weight_decay, nesterov, maximize)
-    return with_flat_rule(hp.build(), functools.partial(update_sgd_, hp))
+    return with_kind(
+        with_flat_rule(hp.build(), functools.partial(update_sgd_, hp)), Kind.ELEMENTWISE, "sgd"
+    )

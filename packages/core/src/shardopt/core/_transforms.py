@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shardopt.core._base import EmptyState, Transformation, init_count, stateless
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise
 
@@ -39,7 +40,7 @@ def scale(factor: float | torch.Tensor) -> Transformation:
         new, _ = leafwise(lambda g, p: (g * factor,), updates, None)
         return new
 
-    return stateless(apply)
+    return with_kind(stateless(apply), Kind.ELEMENTWISE, "scale")
 
 
 def scale_by_learning_rate(
@@ -74,7 +75,7 @@ def scale_by_learning_rate(
         new, (count,) = leafwise(rule, updates, None, state.count)
         return new, ScaleByScheduleState(count)
 
-    return Transformation(init, update)
+    return with_kind(Transformation(init, update), Kind.ELEMENTWISE, "scale_by_learning_rate")
 
 
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0) -> Transformation:
@@ -98,4 +99,4 @@ def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0) -> Transformat
             return (torch.addcmul(g, p, weight_decay.to(p.dtype)),)
         return (g.add(p, alpha=weight_decay),)
 
-    return stateless(apply)
+    return with_kind(stateless(apply), Kind.ELEMENTWISE, "add_decayed_weights")

@@ -20,6 +20,7 @@ from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tens
 from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
 from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
 from shardopt.core._kinds import Kind, inherit_kind, kind_of, with_kind
+from shardopt.core._moments import bias_correction, update_moment, update_moment_per_elem_norm
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._probe import probe_kind
 from shardopt.core._reduce import (
@@ -52,6 +53,9 @@ from shardopt.core._tree import (
 )
 
 __all__ = [
+    "bias_correction",
+    "update_moment",
+    "update_moment_per_elem_norm",
     "Kind",
     "Reducer",
     "Scope",
