@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,11 +203,35 @@ def test_a_users_file_at_the_lock_name_is_refused_and_kept(
 # ---- 2. Concurrent saves of independent jobs ----------------------------------------------
 
 
-def _jobs(world: World, size: int) -> tuple[int, Any]:
-    """This rank's job (two independent process groups of ``size`` ranks) and its group."""
-    groups = [dist.new_group(list(range(j * size, (j + 1) * size))) for j in range(2)]
-    job = world.rank // size
-    return job, groups[job]
+def _concurrently(run_world: Callable[..., list[Any]], jobs: list[tuple[Any, ...]]) -> list[Any]:
+    """Runs each job (``fn, world_size, *args``) as its own world (independent process groups,
+    stores and processes), all at once; their results, in order."""
+    results: list[Any] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = run_world(*jobs[i])
+        except BaseException as exc:  # (reported below)
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def _job_state(world_size: int, job: int) -> Any:
+    return _trained(_World(world_size), seed=1.0 + job)[2]
+
+
+class _World:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
 
 
 def _complete(path: str) -> str | None:
@@ -239,96 +264,110 @@ def _tag(job: int, round_: int) -> torch.Tensor:
     return torch.tensor([job, round_], dtype=torch.int64)
 
 
-@pytest.mark.parametrize(("n", "size"), [(2, 1), (4, 2)], ids=["W1", "W2"])
-@pytest.mark.world("n", backend="gloo", timeout=120)
-def test_two_jobs_racing_on_one_path_never_return_ok_without_a_complete_checkpoint(
-    world: World, n: int, size: int, tmp_path: Any
-) -> None:
-    """Two jobs of ``size`` ranks (independent process groups) save to one path 12 times
-    each: a save returns OK only with a complete checkpoint at the path, else raises the lock's
-    error; at the end the path holds what the last save that returned OK saved."""
-    root = _shared_dir(world, tmp_path, "root")
+def racing_job(rank: int, world_size: int, root: str, job: int, rounds: int) -> list[Any]:
+    """One job's saves (``overwrite=True``) to ``root/ckpt``, each tagged (job, round): per
+    round, whether it returned OK (and then why the path is not complete, None if it is) or the
+    error, and when it returned."""
     path = os.path.join(root, "ckpt")
-    job, group = _jobs(world, size)
-    _, _, state = _trained(world, group, size, seed=1.0 + job)
+    state = _job_state(world_size, job)
     outcomes = []
-    for r in range(12):
+    for r in range(rounds):
         try:
-            save_checkpoint(
-                state, path, names=NAMES, overwrite=True, group=group, extra={"tag": _tag(job, r)}
-            )
+            save_checkpoint(state, path, names=NAMES, overwrite=True, extra={"tag": _tag(job, r)})
         except ValueError as exc:
             outcomes.append(("lost", r, time.time(), str(exc)))
             continue
         outcomes.append(("ok", r, time.time(), _complete(path)))
-    assert [o for o in outcomes if o[0] == "ok" and o[3] is not None] == []
-    lost = [o[3] for o in outcomes if o[0] == "lost"]
-    assert all("expected no other save writing to" in str(m) for m in lost), lost
-    every: list[Any] = [None] * world.world_size
-    dist.all_gather_object(every, (job, outcomes))
-    oks = [(t, j, r) for j, rows in every for kind, r, t, _ in rows if kind == "ok"]
-    assert oks, "no save succeeded"
+    return outcomes
+
+
+def loaded_tag(rank: int, world_size: int, path: str) -> list[int]:
     tag = torch.zeros(2, dtype=torch.int64)
-    fresh = _trained(world, group, size)[2]
-    load_checkpoint(fresh, path, names=NAMES, group=group, extra={"tag": tag})
-    assert tuple(tag.tolist()) == max(oks)[1:]  # the last save that returned OK
+    load_checkpoint(_job_state(world_size, 0), path, names=NAMES, extra={"tag": tag})
+    return tag.tolist()
+
+
+@pytest.mark.parametrize("size", [1, 2], ids=["W1", "W2"])
+def test_two_jobs_racing_on_one_path_never_return_ok_without_a_complete_checkpoint(
+    run_world: Callable[..., list[Any]], size: int, tmp_path: Any
+) -> None:
+    """Two jobs of ``size`` ranks (two worlds) save to one path 12 times each, at once: a save
+    returns OK only with a complete checkpoint at the path, else raises the lock's error, on
+    every rank of its job; at the end the path holds what the last save that returned OK
+    saved."""
+    root = str(tmp_path)
+    jobs = [(racing_job, size, root, job, 12) for job in range(2)]
+    results = _concurrently(run_world, jobs)
+    for job, ranks in enumerate(results):
+        kinds = [[o[:2] for o in r] for r in ranks]
+        assert all(k == kinds[0] for k in kinds), f"job {job}: its ranks disagree: {kinds}"
+        assert all(o[3] is None for r in ranks for o in r if o[0] == "ok"), f"job {job}"
+        ok = [o for o in ranks[0] if o[0] == "ok"]
+        assert [o for o in ok if o[3] is not None] == [], f"job {job}: OK without a checkpoint"
+        lost = [o[3] for o in ranks[0] if o[0] == "lost"]
+        assert [m for m in lost if "expected no other save writing to" not in m] == []
+    oks = [(o[2], job, o[1]) for job, ranks in enumerate(results) for o in ranks[0] if o[0] == "ok"]
+    assert oks, "no save succeeded"
+    assert run_world(loaded_tag, 1, os.path.join(root, "ckpt"))[0] == list(max(oks)[1:])
+    assert sorted(os.listdir(root))[:1] == ["ckpt"]
+    assert len([n for n in os.listdir(root) if ".v-" in n]) == 1  # nothing else left
 
 
 class _Waiting(FileSystemWriter):
     """Writes, then waits (holding the lock) until the other job has tried to save."""
 
-    flags: tuple[str, str] = ("", "")
-
     def write_data(self, plan: Any, planner: Any) -> Any:
-        writing, tried = self.flags
-        open(writing, "w").close()
+        root = os.path.dirname(os.path.dirname(os.fspath(self.path)))
+        open(os.path.join(root, "flags", "writing"), "w").close()
         deadline = time.monotonic() + 30
-        while not os.path.exists(tried) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(root, "flags", "tried")):
+            assert time.monotonic() < deadline, "the other job never tried"
             time.sleep(0.01)
         return super().write_data(plan, planner)
 
 
-@pytest.mark.parametrize(("n", "size"), [(2, 1), (4, 2)], ids=["W1", "W2"])
-@pytest.mark.world("n", backend="gloo", timeout=120)
-def test_a_save_while_another_job_writes_fails_naming_the_holder_and_removes_nothing(
-    world: World, n: int, size: int, tmp_path: Any
-) -> None:
-    """Job 0 holds the lock, mid-write, until job 1 has tried (``overwrite=True``) and failed;
-    job 0's save then completes and is what the path holds."""
-    root = _shared_dir(world, tmp_path, "root")
-    path = os.path.join(root, "ckpt")
-    writing, tried = os.path.join(root, "writing"), os.path.join(root, "tried")
-    job, group = _jobs(world, size)
-    _, _, state = _trained(world, group, size, seed=1.0 + job)
-    if job == 0:
-        _Waiting.flags = (writing, tried)
-        save_checkpoint(
-            state, path, names=NAMES, group=group, writer=_Waiting, extra={"tag": _tag(0, 0)}
-        )
-        error = None
-    else:
-        while not os.path.exists(writing):
-            time.sleep(0.01)
-        try:
-            save_checkpoint(
-                state, path, names=NAMES, overwrite=True, group=group, extra={"tag": _tag(1, 0)}
-            )
-            error = "no error"
-        except ValueError as exc:
-            error = str(exc)
-        dist.barrier(group=group)
-        if world.rank == size:
-            open(tried, "w").close()
+def holding_job(rank: int, world_size: int, root: str) -> str:
+    state = _job_state(world_size, 0)
+    path = os.path.join(root, "ck", "ckpt")
+    save_checkpoint(state, path, names=NAMES, writer=_Waiting, extra={"tag": _tag(0, 0)})
+    return "ok"
+
+
+def trying_job(rank: int, world_size: int, root: str) -> str:
+    state = _job_state(world_size, 1)
+    while not os.path.exists(os.path.join(root, "flags", "writing")):
+        time.sleep(0.01)
+    try:
+        path = os.path.join(root, "ck", "ckpt")
+        save_checkpoint(state, path, names=NAMES, overwrite=True, extra={"tag": _tag(1, 0)})
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
     dist.barrier()
-    if job == 1:
-        assert error is not None
+    if rank == 0:
+        open(os.path.join(root, "flags", "tried"), "w").close()
+    return error
+
+
+@pytest.mark.parametrize("size", [1, 2], ids=["W1", "W2"])
+def test_a_save_while_another_job_writes_fails_naming_the_holder_and_removes_nothing(
+    run_world: Callable[..., list[Any]], size: int, tmp_path: Any
+) -> None:
+    """Job 0 holds the lock, mid-write, until job 1 has tried (``overwrite=True``) and failed
+    on each of its ranks; job 0's save then completes and is what the path holds."""
+    root = str(tmp_path)
+    os.makedirs(os.path.join(root, "flags"))
+    os.makedirs(os.path.join(root, "ck"))
+    held, tried = _concurrently(run_world, [(holding_job, size, root), (trying_job, size, root)])
+    path = os.path.join(root, "ck", "ckpt")
+    assert held == ["ok"] * size
+    for error in tried:
         assert error.startswith(f"save_checkpoint: expected no other save writing to '{path}'")
         assert "held by pid " in error, error
         assert "since" in error, error
     assert _complete(path) is None
-    tag = torch.zeros(2, dtype=torch.int64)
-    load_checkpoint(_trained(world)[2], path, names=NAMES, extra={"tag": tag})
-    assert tag.tolist() == [0, 0]
+    assert run_world(loaded_tag, 1, path)[0] == [0, 0]
+    assert sorted(os.listdir(os.path.join(root, "ck")))[0] == "ckpt"
     assert not os.path.exists(f"{path}.lock")
 
 
