@@ -308,3 +308,36 @@ def test_flat_slices_take_a_new_param_group_and_defer_their_gathers_to_the_forwa
         h.remove()
     got = [p.detach() for p in model.parameters()]
     assert_bitwise(got, [p.detach() for p in ref_model.parameters()], "flat slices")
+
+
+class DecayedSignSGD(torch.optim.Optimizer):
+    """p -= lr * sign(grad) + weight_decay * p * (mean |p| over all parameters): coupled only
+    where weight_decay is not 0."""
+
+    def __init__(self, params: Any, lr: float = 0.01, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        scale = torch.cat([p.abs().reshape(-1) for p in params]).mean() if params else 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(p * scale, alpha=group["weight_decay"])
+                    p.add_(torch.sign(p.grad), alpha=-group["lr"])
+        return None
+
+
+@pytest.mark.world(2, backend="gloo", timeout=60)
+def test_the_probes_run_with_each_param_group_s_hyperparameters(world: World) -> None:
+    m = build_model()
+    ZeroRedundancyOptimizer(m.parameters(), DecayedSignSGD, lr=0.1)  # no decay: uncoupled
+    groups = [
+        {"params": list(m[0].parameters())},
+        {"params": list(m[2].parameters()), "weight_decay": 0.1},
+    ]
+    with pytest.raises(ValueError, match=r"cannot shard DecayedSignSGD over 2 ranks: its upd"):
+        ZeroRedundancyOptimizer(groups, DecayedSignSGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"partition='flat' cannot step DecayedSignSGD"):
+        ZeroRedundancyOptimizer(groups, DecayedSignSGD, lr=0.1, partition="flat")

@@ -15,7 +15,12 @@ from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
 from shardopt.functional.engine import fails_together, mesh_groups
 from shardopt.optim._zero_backend import ZeroBackend
-from shardopt.optim._zero_classes import check_coupling, flat_backend, steps_per_bucket
+from shardopt.optim._zero_classes import (
+    check_coupling,
+    flat_backend,
+    settings,
+    steps_per_bucket,
+)
 from shardopt.optim._zero_flat import Wire
 from shardopt.optim._zero_greedy import GreedyBackend
 from shardopt.optim._zero_join import ZeroJoinHook
@@ -209,7 +214,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
         backend = GreedyBackend(self.param_groups, cls, defaults, bucket_view=bucket_view, **where)
         check_coupling(  # after torch's own checks, in the local optimizer's constructor
             cls,
-            defaults,
+            settings(cls, defaults, self.param_groups),
             self._all_params[0],  # the probe's dtype and device
             world_size=self.world_size,
             allow_coupled=self._allow_coupled,

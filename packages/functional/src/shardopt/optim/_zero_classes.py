@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -15,7 +16,7 @@ from shardopt.optim._zero_flat_local import LocalFlatBackend
 from shardopt.optim._zero_params import API
 from shardopt.optim._zero_probe import coupling, elementwise, known_base
 
-__all__ = ["check_coupling", "flat_backend", "steps_per_bucket"]
+__all__ = ["check_coupling", "flat_backend", "settings", "steps_per_bucket"]
 
 # [Note: coupled optimizers]
 # Under the greedy partition each rank's local optimizer steps only the parameters the rank
@@ -23,9 +24,10 @@ __all__ = ["check_coupling", "flat_backend", "steps_per_bucket"]
 # D-Adaptation's step-size estimates, AdamS's and Ranger21's weight decay scaled by the mean
 # second moment over all parameters) or that draws random numbers (Kron: each rank draws its
 # own) computes something else than it would in one process, silently, in torch's
-# ZeroRedundancyOptimizer too. The constructor probes the class ([Note: optimizer probes]) and
-# every rank raises a ValueError naming it and the reason; ``allow_coupled=True`` accepts it
-# knowingly, with one UserWarning naming what was found. With one rank nothing is sharded and
+# ZeroRedundancyOptimizer too. The constructor probes the class ([Note: optimizer probes]) with
+# the hyperparameters of each param group (``settings``), and every rank raises a ValueError
+# naming it and the reason; ``allow_coupled=True`` accepts it knowingly, with one UserWarning
+# naming what was found. With one rank nothing is sharded and
 # nothing is probed. The probe's verdicts on popular classes (pytorch-optimizer 4.1.0,
 # lion-pytorch 0.2.5, schedulefree 1.4.1, default hyperparameters but lr):
 # - coupled: Prodigy, DAdaptAdam, DAdaptSGD, DAdaptLion, DAdaptAdan, DAdaptAdaGrad, AdamS,
@@ -64,19 +66,43 @@ def _name(optimizer_class: Any) -> str:
     return getattr(optimizer_class, "__qualname__", None) or repr(optimizer_class)
 
 
+def settings(
+    optimizer_class: Any, defaults: dict[str, Any], param_groups: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The distinct hyperparameters the class is constructed with: ``defaults`` updated by each
+    param group's keys that its constructor takes (what the probes run with).
+
+    Example:
+        >>> groups = [{"params": [], "lr": 0.1}, {"params": [], "lr": 0.1, "initial_lr": 1}]
+        >>> settings(torch.optim.SGD, {"lr": 0.1}, groups)
+        [{'lr': 0.1}]
+    """
+    try:
+        taken = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
+    except (TypeError, ValueError):
+        taken = set()
+    out: dict[str, dict[str, Any]] = {}
+    for group in param_groups:
+        kwargs = {**defaults, **{k: v for k, v in group.items() if k in taken}}
+        out.setdefault(repr(sorted(kwargs.items())), kwargs)
+    return list(out.values()) or [dict(defaults)]
+
+
 def check_coupling(
     optimizer_class: Any,
-    defaults: dict[str, Any],
+    hyperparameters: list[dict[str, Any]],
     like: torch.Tensor,
     *,
     world_size: int,
     allow_coupled: bool,
 ) -> None:
-    """Raises ValueError if the probe finds ``optimizer_class`` coupled (warns instead with
-    ``allow_coupled=True``); see [Note: coupled optimizers]."""
+    """Raises ValueError if the probe finds ``optimizer_class`` coupled under any of
+    ``hyperparameters`` (warns instead with ``allow_coupled=True``); see [Note: coupled
+    optimizers]."""
     if world_size == 1:
         return
-    reason = coupling(optimizer_class, defaults, like)
+    reasons = (coupling(optimizer_class, kwargs, like) for kwargs in hyperparameters)
+    reason = next((r for r in reasons if r is not None), None)
     if reason is None:
         return
     name = _name(optimizer_class)
@@ -118,13 +144,16 @@ def flat_backend(
             f"({known}), got {name}"
         )
     like = next(p for g in param_groups for p in g["params"])
-    verdict = elementwise(optimizer_class, defaults, like)
-    if verdict.reason is not None:
-        raise ValueError(
-            f"{API}: partition='flat' cannot step {name} on slices of flat buffers: "
-            f"{verdict.reason}; use partition='greedy' (the flat partition runs the classes "
-            f"with a shardopt.core form, {known}, and classes its probe finds elementwise)"
-        )
+    keys: frozenset[str] = frozenset()
+    for kwargs in settings(optimizer_class, defaults, param_groups):
+        verdict = elementwise(optimizer_class, kwargs, like)
+        if verdict.reason is not None:
+            raise ValueError(
+                f"{API}: partition='flat' cannot step {name} on slices of flat buffers: "
+                f"{verdict.reason}; use partition='greedy' (the flat partition runs the classes "
+                f"with a shardopt.core form, {known}, and classes its probe finds elementwise)"
+            )
+        keys |= verdict.keys
     return LocalFlatBackend(
-        optimizer_class, defaults, verdict.keys, group=group, rank=rank, world_size=world_size
+        optimizer_class, defaults, keys, group=group, rank=rank, world_size=world_size
     )
