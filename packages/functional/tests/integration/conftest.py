@@ -24,7 +24,9 @@ import pytest
 STACKS = ("transformers", "accelerate", "pytorch_lightning")
 # test_third_party_optimizers.py: optimizer classes run through ZeroRedundancyOptimizer.
 OPTIMIZERS = ("pytorch_optimizer", "lion_pytorch", "schedulefree")
-MISSING = [name for name in STACKS + OPTIMIZERS if importlib.util.find_spec(name) is None]
+# test_optax_parity.py: shardopt.core's optax-style library against optax on CPU jax.
+PARITY = ("jax", "optax")
+MISSING = [name for name in STACKS + OPTIMIZERS + PARITY if importlib.util.find_spec(name) is None]
 
 if MISSING and os.environ.get("SHARDOPT_INTEGRATION") == "1":
     raise pytest.UsageError(

@@ -139,7 +139,8 @@ def schedule_free(
         base, base_state = base_optimizer.update(updates, state.base_optimizer_state, params)
         parts = (state.count, state.b1, state.weight_sum, state.max_lr)
         new, out = leafwise(rule, updates, params, base, *parts, state.z)
-        return new, ScheduleFreeState(*out[1:5], base_state, out[5])
+        count, b1s, weight_sum, max_lr = out[1:5]
+        return new, ScheduleFreeState(count, b1s, weight_sum, max_lr, base_state, out[5])
 
     return inherit_kind(Transformation(init, update), [base_optimizer])
 
