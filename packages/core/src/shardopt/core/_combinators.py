@@ -98,7 +98,7 @@ class _Group(NamedTuple):
     """The leaves of one mask value or label: their indices, and in a scope the indices of their
     whole tensors among the scope's (None in one process)."""
 
-    index: list[int]
+    members: list[int]
     whole: list[int] | None
 
 
@@ -122,7 +122,7 @@ def _update_group(
     out: list[Any],
 ) -> Any:
     """Runs ``tx`` on the leaves of ``group``, puts their updates in ``out``, returns its state."""
-    index = group.index
+    index = group.members
     sub_params = None if params is None else [params[i] for i in index]
     with sub_scope(group.whole or [], index):
         sub_updates, new_state = tx.update([updates[i] for i in index], state, sub_params)
@@ -170,8 +170,8 @@ def masked(inner: Transformation, mask: LeafSpec) -> Transformation:
 
     def init(params: PyTree) -> MaskedState:
         leaves, group = tree_leaves(params), selected(params)
-        with sub_scope(group.whole or [], group.index):
-            return MaskedState(inner.init([leaves[i] for i in group.index]))
+        with sub_scope(group.whole or [], group.members):
+            return MaskedState(inner.init([leaves[i] for i in group.members]))
 
     def update(
         updates: PyTree, state: MaskedState, params: PyTree | None = None
@@ -223,8 +223,8 @@ def partition(transforms: Mapping[Hashable, Transformation], labels: LeafSpec) -
         leaves = tree_leaves(params)
         states = {}
         for k, group in groups_of(params).items():
-            with sub_scope(group.whole or [], group.index):
-                states[k] = txs[k].init([leaves[i] for i in group.index])
+            with sub_scope(group.whole or [], group.members):
+                states[k] = txs[k].init([leaves[i] for i in group.members])
         return PartitionState(states)
 
     def update(

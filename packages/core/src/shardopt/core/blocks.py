@@ -16,10 +16,10 @@ called unconditionally. An undeclared transformation is probed by ``shard`` (``p
 
 from shardopt.core._adagrad import AdagradHyperparams
 from shardopt.core._adam import AdamHyperparams
-from shardopt.core._base import init_count, needs_whole_tensors, with_whole_tensors
+from shardopt.core._base import init_count, needs_whole_tensors, stateless, with_whole_tensors
 from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
 from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
-from shardopt.core._kinds import Kind, inherit_kind, kind_of, with_kind
+from shardopt.core._kinds import Declared, Kind, declared, inherit_kind, kind_of, with_kind
 from shardopt.core._moments import bias_correction, update_moment, update_moment_per_elem_norm
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._probe import probe_kind
@@ -56,7 +56,9 @@ __all__ = [
     "bias_correction",
     "update_moment",
     "update_moment_per_elem_norm",
+    "Declared",
     "Kind",
+    "declared",
     "Reducer",
     "Scope",
     "current_scope",
@@ -65,6 +67,7 @@ __all__ = [
     "kind_of",
     "probe_kind",
     "safe_norm",
+    "stateless",
     "sub_scope",
     "tensor_max_abs",
     "tensor_norm",

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan, Transformation
-from shardopt.core.blocks import PyTree, needs_whole_tensors, tree_leaves
+from shardopt.core.blocks import PyTree, in_scope, needs_whole_tensors, tree_leaves
 from shardopt.functional._options import ShardOptions, Stage
 from shardopt.functional._state import (
     ShardedState,
@@ -38,7 +38,15 @@ from shardopt.functional.engine._mesh import (
     mesh_groups,
     tensor_parallel,
 )
-from shardopt.functional.engine._update import cut_for_whole, shaped, update_and_sync
+from shardopt.functional.engine._scope import ShardReducer, meta_tree, shard_scope
+from shardopt.functional.engine._update import (
+    cut_for_whole,
+    probe_scope,
+    reduces,
+    shaped,
+    unshardable,
+    update_and_sync,
+)
 from shardopt.functional.engine._validate import (
     agree_across_ranks,
     check_grads,
@@ -155,7 +163,8 @@ def shard(
     @fails_together("shard.init")
     def init(params: PyTree) -> ShardedState:
         split = [is_split(p) for p in tree_leaves(params)]
-        state = _init(tx, plan, opts, groups, local_tensors(params), split)
+        whole = meta_tree(params)  # masks and labels are resolved on these ([Note: kinds])
+        state = _init(tx, plan, opts, groups, local_tensors(params), split, whole)
         leaves = tree_leaves(params)
         state.layout.set_places(tensor_parallel(leaves, state.layout), global_places(leaves))
         return state
@@ -182,6 +191,7 @@ def _agreed_fields(
     groups: MeshGroups,
     params: list[Any],
     split: list[bool],
+    tree: PyTree,
 ) -> dict[str, Any]:
     """init's checks, then the agreement of every rank of ``groups.agree`` on them (raising on
     every rank if one failed or they differ); returns the state's probed fields."""
@@ -190,10 +200,14 @@ def _agreed_fields(
     whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
+        error = error or unshardable(tx, split)
         error = error or (cut_for_whole(tx, plan, split) if whole else None)
         dtypes = _piece_dtypes(plan, opts)
-        probed = probe_fields(tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes])
-        computes = probe_updates(tx, dtypes)
+        with in_scope(probe_scope(plan, tree) if reduces(tx) else None):
+            probed = probe_fields(
+                tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes]
+            )
+            computes = probe_updates(tx, dtypes)
     except Exception as exc:  # raised below, on this rank, after the agreement
         error = error or exc
     print_ = fingerprint(plan, (opts, sorted(probed.items()), computes, groups.description))
@@ -215,8 +229,9 @@ def _init(
     groups: MeshGroups,
     params: list[Any],
     split: list[bool],
+    tree: PyTree,
 ) -> ShardedState:
-    probed = _agreed_fields(tx, plan, opts, groups, params, split)
+    probed = _agreed_fields(tx, plan, opts, groups, params, split, tree)
     group = groups.shard
     rank, whole = dist.get_rank(group), needs_whole_tensors(tx)
     layout = build_layout(
@@ -236,8 +251,13 @@ def _init(
     shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(fulls)]
     views = layout.piece_views(shards)
     presented = shaped(layout, views) if whole else views
+    if reduces(tx):  # see [Note: reductions across shards] in core
+        reducer_ = ShardReducer(group, len(plan.tensors), layout.buffers[0].device)
+        pieces = [p.tensor for p in layout.pieces]
+        layout.scope = shard_scope(tree, len(plan.tensors), pieces, reducer_)
     labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
-    inner, fields, _ = flatten_state(tx.init(presented), layout, probed)
+    with in_scope(layout.scope):
+        inner, fields, _ = flatten_state(tx.init(presented), layout, probed)
     reducer = None
     if opts.reduces:
         reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)

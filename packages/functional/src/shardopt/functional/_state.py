@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from shardopt.core import InjectHyperparamsState, Transformation
-from shardopt.core.blocks import needs_whole_tensors, partition_rule
+from shardopt.core.blocks import in_scope, needs_whole_tensors, partition_rule
 from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
@@ -326,7 +326,9 @@ def tensor_labels(
     order = list(rule.transforms)
     n = len(layout.plan.tensors)
     codes = torch.full((2, n), -1, dtype=torch.int64)
-    for piece, label in zip(layout.pieces, rule.labels_of(list(pieces))):
+    with in_scope(layout.scope):  # labels of the whole tensors ([Note: kinds] in core)
+        of_pieces = rule.labels_of(list(pieces))
+    for piece, label in zip(layout.pieces, of_pieces):
         i = order.index(label)
         codes[0, piece.tensor] = max(int(codes[0, piece.tensor]), i)
         codes[1, piece.tensor] = max(int(codes[1, piece.tensor]), -i)

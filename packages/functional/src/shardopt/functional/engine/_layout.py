@@ -113,6 +113,7 @@ class FlatLayout(BucketMap):
         self._grad_staging: GradStaging | None = None
         self._grads = PendingQueue()
         self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
+        self.scope: Any = None  # the update's core Scope, set by shard's init
         self._next_grad = 0  # the next bucket to launch, in reverse bucket order
         self._params: dict[BucketKey, Pending] = {}
         self._order = {key: i for i, key in enumerate(self.keys)}

@@ -9,13 +9,94 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core import InjectHyperparamsState, Plan, Transformation, update_flat_
-from shardopt.core.blocks import needs_whole_tensors, update_whole_, whole_tensor_mask
+from shardopt.core.blocks import (
+    Kind,
+    PyTree,
+    Scope,
+    declared,
+    in_scope,
+    kind_of,
+    needs_whole_tensors,
+    probe_kind,
+    update_whole_,
+    whole_tensor_mask,
+)
 from shardopt.functional._state import slice_state
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
+from shardopt.functional.engine._scope import LocalReducer
 
-__all__ = ["cut_for_whole", "shaped", "update_and_sync"]
+__all__ = [
+    "cut_for_whole",
+    "probe_scope",
+    "reduces",
+    "shaped",
+    "unshardable",
+    "update_and_sync",
+]
+
+REDUCING = Kind.PER_TENSOR | Kind.WHOLE_TREE
+
+
+def _name(tx: Transformation) -> str:
+    found = declared(tx)
+    if found is not None:
+        return found.name
+    return getattr(tx.update, "__qualname__", repr(tx.update)).replace(".<locals>.update", "")
+
+
+def unshardable(tx: Transformation, split: Sequence[bool]) -> str | None:
+    """Why ``tx`` cannot be sharded here, or None: an undeclared transformation that the probe
+    finds not elementwise ([Note: the kind probe] in core), or a reducing one over tensors split
+    by tensor parallelism (their reductions would miss the other tensor-parallel ranks)."""
+    kind = kind_of(tx)
+    if kind is None:
+        kind, what = probe_kind(tx)
+        if kind is not Kind.ELEMENTWISE:
+            return (
+                f"a transformation that declares its kind or is elementwise, got {_name(tx)}, "
+                f"which declares none and whose update of one element reads {what}: declare it "
+                "with shardopt.core.blocks.with_kind(tx, Kind.PER_TENSOR / WHOLE_TREE / SHAPED, "
+                "name) and take its reductions through the reduction blocks (tensor_norm, "
+                "tree_sum_sq, ...), which shard makes whole across ranks"
+            )
+    if kind & REDUCING and any(split):
+        return (
+            f"parameters whole on every tensor-parallel rank for {_name(tx)}, which reduces over "
+            "whole tensors or the tree, got DTensors with Shard placements (not supported yet)"
+        )
+    return None
+
+
+# [Note: scopes of reducing updates]
+# Only an update that reduces across shards (a declared PER_TENSOR or WHOLE_TREE kind) runs in a
+# scope (layout.scope is None otherwise): its blocks are made whole, and its masks and labels are
+# resolved on the whole parameters. Elementwise and shaped updates still resolve masks and labels
+# on what they are given (a cut tensor as a 1-D slice, as [Note: whole matrices] says): moving
+# them to whole-tensor labels too needs mixed plans to refuse a SHAPED label on a cut tensor by
+# its whole shape first, which is not done yet.
+
+
+def reduces(tx: Transformation) -> bool:
+    """Whether ``tx`` declares reductions over whole tensors or the tree."""
+    return bool((kind_of(tx) or Kind.ELEMENTWISE) & REDUCING)
+
+
+def _narrowed(scope: Scope | None, lo: int, hi: int) -> Scope | None:
+    """``scope`` for the pieces ``lo:hi`` alone (an elementwise update, bucket by bucket)."""
+    return None if scope is None else scope._replace(of_leaf=scope.of_leaf[lo:hi])
+
+
+def probe_scope(plan: Plan, tree: PyTree) -> Scope:
+    """The scope of init's local probes (one probe tensor per plan group, standing for the
+    group's first tensor): masks and labels resolve on ``tree``; no collective."""
+    firsts = [
+        next(t for t, spec in enumerate(plan.tensors) if plan.locate(t)[0] == g)
+        for g in range(len(plan.groups))
+    ]
+    return Scope(tree, tuple(range(len(plan.tensors))), tuple(firsts), LocalReducer())
+
 
 # [Note: update and gather pipeline]
 # The rank's pieces are updated through core's flat fast path (``update_flat_``) one bucket at a
@@ -66,8 +147,10 @@ def _update(
     grads: Sequence[torch.Tensor | None],
     lo: int,
     hi: int,
+    reducing: bool = False,
 ) -> None:
-    if lo >= hi or all(g is None for g in grads[lo:hi]):
+    # a reducing update runs on every rank, with or without pieces: its blocks are collectives
+    if (lo >= hi or all(g is None for g in grads[lo:hi])) and not reducing:
         return
     n = len(params)
     state = inner if (lo, hi) == (0, n) else slice_state(inner, n, lo, hi)
@@ -80,8 +163,9 @@ def cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str 
     (``split``: DTensors with a Shard placement; see [Note: whole matrices])."""
     if plan.owners is None:
         return (
-            "a plan of whole tensors (strategy='greedy' or 'mixed') for a transformation that "
-            "needs them (Muon, Adafactor), got a flat plan, whose pieces are slices"
+            f"a plan of whole tensors (strategy='greedy' or 'mixed') for {_name(tx)}, which "
+            "needs each tensor in its shape (Kind.SHAPED), got a flat plan, whose pieces are "
+            "1-D slices"
         )
     presented = [
         torch.empty(spec.shape if plan.is_whole(t) else (spec.numel,), device="meta")
@@ -132,18 +216,22 @@ def update_and_sync(
     """
     params: list[torch.Tensor] = list(layout.param_views())
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
-    sliceable = _sliceable(inner, len(params)) and not layout.deferred and not whole
+    reducing = reduces(tx)
+    sliceable = _sliceable(inner, len(params)) and not (layout.deferred or whole or reducing)
     if not sliceable:  # one update of every piece: every bucket's masters at once
         master.views_for_update(params, layout.keys)
-    if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
-        update_whole_(tx, shaped(layout, params), shaped(layout, grads), inner)
-    elif not sliceable:
-        _update(tx, inner, params, grads, 0, len(params))
+    with in_scope(layout.scope):  # masks and labels see whole tensors; blocks reduce
+        if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
+            update_whole_(tx, shaped(layout, params), shaped(layout, grads), inner)
+        elif not sliceable:
+            _update(tx, inner, params, grads, 0, len(params), reducing)
 
     def prepare(key: BucketKey) -> None:  # bucket key's pieces updated, then gathered
         if sliceable:
             master.views_for_update(params, (key,))
-            _update(tx, inner, params, grads, *layout.piece_ranges[key])
+            lo, hi = layout.piece_ranges[key]
+            with in_scope(_narrowed(layout.scope, lo, hi)):
+                _update(tx, inner, params, grads, lo, hi)
         master.write_back(key)
 
     layout.sync_params(prepare)

@@ -1,0 +1,182 @@
+"""Composed transformations under shard: exact against one process fed the mean gradient, or
+refused at init on every rank (core's [Note: kinds] and [Note: reductions across shards])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shardopt.core import (
+    Transformation,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    muon,
+    partition,
+    plan_partition,
+    scale,
+    trace,
+)
+from shardopt.core.blocks import Kind, stateless, tensor_norm, tree_map, with_kind
+from shardopt.functional import shard
+from shardopt.testing import World
+
+STEPS = 3
+SHAPES = [(6, 5), (7,), (3, 4), (1,), (9, 2)]  # cut across ranks by flat plans at W = 2 and 3
+
+
+def params_() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+
+
+def grads_of(step: int, rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+
+
+def elementwise(tx: Transformation, name: str) -> Transformation:
+    return with_kind(tx, Kind.ELEMENTWISE, name)
+
+
+def momentum(lr: float) -> Transformation:
+    return chain(elementwise(trace(0.9), "trace"), elementwise(scale(-lr), "scale"))
+
+
+def trust_ratio() -> Transformation:
+    """A user's LAMB-style trust ratio written with the reduction blocks: each update scaled by
+    ||p|| / ||u|| of its whole tensor."""
+
+    def apply(updates: Any, params: Any) -> Any:
+        p_norms, u_norms = tensor_norm(params), tensor_norm(updates)
+
+        def ratio(u: Any, pn: Any, un: Any) -> Any:
+            if u is None:
+                return None
+            trust = torch.where((pn > 0) & (un > 0), pn / un, torch.ones_like(pn))
+            return u * trust.to(u.dtype)
+
+        return tree_map(ratio, updates, p_norms, u_norms)
+
+    return with_kind(stateless(apply), Kind.PER_TENSOR, "trust_ratio")
+
+
+def by_dim(p: torch.Tensor) -> str:
+    return "matrix" if p.dim() == 2 else "vector"
+
+
+CASES: dict[str, Callable[[], Transformation]] = {
+    "clip_by_global_norm then momentum": lambda: chain(clip_by_global_norm(0.5), momentum(0.1)),
+    "trust ratio then momentum": lambda: chain(trust_ratio(), momentum(0.1)),
+    "partition by dim() of clip and trust ratio": lambda: partition(
+        {
+            "matrix": chain(trust_ratio(), momentum(0.1)),
+            "vector": chain(clip_by_global_norm(0.1), momentum(0.1)),
+        },
+        lambda ps: tree_map(by_dim, ps),
+    ),
+}
+
+
+def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    """Within 1e-6 of each tensor's norm: the reductions travel as float32 partials."""
+    for t, (a, b) in enumerate(zip(ours, ref)):
+        error = float((a - b).norm() / b.norm())
+        assert error <= 1e-6, f"tensor {t}: relative error {error:.2e}"
+
+
+def one_process(tx: Transformation, world: int) -> list[torch.Tensor]:
+    params = params_()
+    state = tx.init(params)
+    for step in range(STEPS):
+        mean = [sum(gs) / world for gs in zip(*(grads_of(step, r) for r in range(world)))]
+        updates, state = tx.update(mean, state, params)
+        params = apply_updates(params, updates)
+    return params
+
+
+def sharded(tx: Transformation, world: World, strategy: str, stage: int) -> list[torch.Tensor]:
+    params = params_()
+    plan = plan_partition(params, world.world_size, strategy=strategy, bucket_numel=16)
+    sharding = shard(tx, plan, stage=stage)
+    state = sharding.init(params)
+    for step in range(STEPS):
+        state = sharding.step(params, grads_of(step, world.rank), state)
+    return params
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.world(2, timeout=120)
+def test_a_composed_chain_sharded_at_w2_equals_one_process_fed_the_mean_gradient(
+    world: World, case: str, strategy: str, stage: int
+) -> None:
+    ours = sharded(CASES[case](), world, strategy, stage)
+    ref = one_process(CASES[case](), world.world_size)
+    assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.world(3, timeout=120)
+def test_a_composed_chain_sharded_flat_at_w3_equals_one_process_fed_the_mean_gradient(
+    world: World, case: str
+) -> None:
+    ours = sharded(CASES[case](), world, "flat", 2)
+    ref = one_process(CASES[case](), world.world_size)
+    assert_close(ours, ref)
+
+
+def undeclared_trust_ratio() -> Transformation:
+    def apply(updates: Any, params: Any) -> Any:
+        return [u / u.norm() for u in updates]  # a slice's norm, not the tensor's
+
+    return stateless(apply)
+
+
+@pytest.mark.world(2, timeout=120)
+def test_an_undeclared_per_tensor_transformation_is_refused_at_init_on_every_rank(
+    world: World,
+) -> None:
+    params = params_()
+    plan = plan_partition(params, world.world_size, strategy="flat")
+    with pytest.raises(
+        ValueError,
+        match=r"declares none and whose update of one element reads "
+        r"other elements of the tensor",
+    ):
+        shard(undeclared_trust_ratio(), plan).init(params)
+
+
+@pytest.mark.world(2, timeout=120)
+def test_a_shaped_transformation_on_a_flat_plan_is_refused_naming_it(world: World) -> None:
+    params = [torch.randn(4, 4) for _ in range(2)]
+    plan = plan_partition(params, world.world_size, strategy="flat")
+    with pytest.raises(ValueError, match=r"for muon, which needs each tensor in its shape"):
+        shard(muon(lr=0.02), plan).init(params)
+
+
+@pytest.mark.world(2, timeout=120)
+def test_a_per_tensor_chain_adds_one_small_all_reduce_per_reduction_point(world: World) -> None:
+    params = params_()
+    plan = plan_partition(params, world.world_size, strategy="flat", bucket_numel=16)
+    sharding = shard(chain(trust_ratio(), momentum(0.1)), plan)
+    state = sharding.init(params)
+    reducer = state.layout.scope.reducer
+    before = reducer.calls
+    state = sharding.step(params, grads_of(0, world.rank), state)
+    assert reducer.calls - before == 2  # ||p|| and ||u||: one all-reduce each
+    assert 4 * (reducer.n + 1) <= 8 * len(SHAPES) + 4  # float32 per tensor, + the tree slot
+
+
+@pytest.mark.world(2, timeout=120)
+def test_an_elementwise_chain_adds_no_reduction(world: World) -> None:
+    params = params_()
+    plan = plan_partition(params, world.world_size, strategy="flat", bucket_numel=16)
+    sharding = shard(momentum(0.1), plan)
+    state = sharding.init(params)
+    state = sharding.step(params, grads_of(0, world.rank), state)
+    assert state.layout.scope is None  # no scope: no block can reduce
