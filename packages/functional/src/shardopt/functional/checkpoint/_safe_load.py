@@ -133,6 +133,39 @@ def _narrowed(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -
     return t
 
 
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of the open file ``f``, as a file (read in place by
+    ``torch.load``: no copy of the whole slice first)."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._end, self._at = f, offset, offset + length, offset
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at - self._start
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: self._start, io.SEEK_CUR: self._at, io.SEEK_END: self._end}[whence]
+        self._at = min(max(base + pos, self._start), self._end)
+        return self.tell()
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = min(len(view), self._end - self._at)
+        if n <= 0:
+            return 0
+        self._f.seek(self._at)
+        got = self._f.readinto(view[:n])
+        self._at += got
+        return got
+
+
 class SafeReader(FileSystemReader):
     """DCP's file system reader, reading as [Note: safe loads] says; ``.metadata`` is read once
     (the same object for shardopt's checks and DCP's plan)."""
@@ -162,15 +195,15 @@ class SafeReader(FileSystemReader):
             by_file.setdefault(name, []).append((item, offset, length))
         for name, items in by_file.items():
             with open(os.path.join(self._root, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 for item, offset, length in items:
-                    f.seek(offset)
-                    data = f.read(length)
-                    if len(data) != length:
+                    if offset + length > size:
                         raise UnsafeCheckpointError(
                             f"{self._api}: expected {length} bytes of {item.storage_index.fqn} at "
-                            f"offset {offset} of {name}, got {len(data)} (a truncated file)"
+                            f"offset {offset} of {name}, got {max(0, size - offset)} (a "
+                            "truncated file)"
                         )
-                    planner.stage(item, data)
+                    planner.stage(item, _Slice(f, offset, length))
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
@@ -240,11 +273,11 @@ class StagedPlanner(DefaultLoadPlanner):
         gap = _tiled(md.chunks, md.size)
         return None if gap is None else f"to be saved whole, got {gap}"
 
-    def stage(self, item: ReadItem, data: bytes) -> None:
-        """Reads ``data`` (the bytes of ``item``) into the staging, checked."""
+    def stage(self, item: ReadItem, data: Any) -> None:
+        """Reads ``data`` (a file of the bytes of ``item``) into the staging, checked."""
         fqn = item.storage_index.fqn
         try:
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            value = torch.load(data, map_location="cpu", weights_only=True)
         except Exception as exc:  # (any refusal or malformed data)
             raise UnsafeCheckpointError(
                 f"{self._api}: expected {fqn} to hold tensors or plain values only, got data "
