@@ -27,6 +27,7 @@ __all__ = [
     "masked_if",
     "moment",
     "moment_per_elem_norm",
+    "same_structure",
     "update_moment",
     "update_moment_per_elem_norm",
     "whole_numels",
