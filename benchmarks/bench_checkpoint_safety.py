@@ -8,7 +8,8 @@ from this checkout. The driver asks each in turn, alternating which goes first, 
 and then to load the checkpoint it just wrote. A time is rank 0's, between barriers. The state:
 Adam on ``--mib`` MiB of float32 parameters (flat plan over W ranks), saved with the
 parameters as ``extra``, as a training script does. Printed: per operation the median time of
-each variant and the median and range of the per-round ratio after/before.
+each variant and the median and range of the per-round ratio after/before, by the wall clock
+and by rank 0's CPU time (user + system: steadier on a shared machine).
 
     python benchmarks/bench_checkpoint_safety.py --world 1 --rounds 15
 """
@@ -64,11 +65,12 @@ def _worker(rank: int, world: int, store: str, root: str, mib: int) -> None:
         if code.item() == 0:
             break
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         ops[int(code.item())]()
+        cpu = time.process_time() - cpu  # (before the barrier: this rank's own work)
         dist.barrier()
         if rank == 0:
-            print(f"{time.perf_counter() - start:.6f}", flush=True)
+            print(f"{time.perf_counter() - start:.6f} {cpu:.6f}", flush=True)
     dist.destroy_process_group()
 
 
@@ -93,7 +95,7 @@ class Variant:
             for r in range(world)
         ]
 
-    def time(self, op: str) -> float:
+    def time(self, op: str) -> tuple[float, float]:
         lead = self.procs[0]
         assert lead.stdin is not None
         assert lead.stdout is not None
@@ -102,7 +104,8 @@ class Variant:
         line = lead.stdout.readline()
         if not line:
             raise RuntimeError(f"{self.name}: its world ended (see the error above)")
-        return float(line)
+        wall, cpu = line.split()
+        return float(wall), float(cpu)
 
     def close(self) -> None:
         lead = self.procs[0]
@@ -135,7 +138,7 @@ def main() -> None:
             Variant(name, src, args.world, scratch, args.mib)
             for name, src in (("before", before), ("after", REPO))
         ]
-        times: dict[str, dict[str, list[float]]] = {
+        times: dict[str, dict[str, list[tuple[float, float]]]] = {
             op: {v.name: [] for v in variants} for op in ("save", "load")
         }
         for v in variants:  # a warm-up round each (first saves, imports, page cache)
@@ -156,29 +159,32 @@ def main() -> None:
     write_results(OUT.with_name(f"{OUT.stem}_w{args.world}.json"), rows)
 
 
-def _report(times: dict[str, dict[str, list[float]]], args: Any) -> list[dict[str, Any]]:
+def _report(times: dict[str, dict[str, list[tuple[float, float]]]], args: Any) -> list[dict]:
     rows = []
     print(
         f"W={args.world}, {args.mib} MiB of parameters, {args.rounds} rounds, before={args.before}"
     )
-    print(f"{'op':<6}{'before ms':>11}{'after ms':>10}{'ratio med':>11}{'ratio min..max':>18}")
-    for op, by in times.items():
-        ratios = [a / b for a, b in zip(by["after"], by["before"])]
-        row = {
-            "op": op,
-            "world": args.world,
-            "mib": args.mib,
-            "before_ms": 1e3 * statistics.median(by["before"]),
-            "after_ms": 1e3 * statistics.median(by["after"]),
-            "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-        }
-        rows.append(row)
-        print(
-            f"{op:<6}{row['before_ms']:>11.1f}{row['after_ms']:>10.1f}{row['ratio_median']:>11.3f}"
-            f"{row['ratio_min']:>10.3f}..{row['ratio_max']:.3f}"
-        )
+    print("clock  op    before ms  after ms  ratio med  ratio min..max")
+    for clock, at in (("wall", 0), ("cpu", 1)):
+        for op, by in times.items():
+            before, after = ([t[at] for t in by[v]] for v in ("before", "after"))
+            ratios = [a / b for a, b in zip(after, before)]
+            row = {
+                "clock": clock,
+                "op": op,
+                "world": args.world,
+                "mib": args.mib,
+                "before_ms": 1e3 * statistics.median(before),
+                "after_ms": 1e3 * statistics.median(after),
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+            }
+            rows.append(row)
+            print(
+                f"{clock:<7}{op:<6}{row['before_ms']:>9.1f}{row['after_ms']:>10.1f}"
+                f"{row['ratio_median']:>11.3f}{row['ratio_min']:>9.3f}..{row['ratio_max']:.3f}"
+            )
     return rows
 
 

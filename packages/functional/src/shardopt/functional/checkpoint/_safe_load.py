@@ -133,13 +133,14 @@ def _narrowed(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -
     return t
 
 
-class _Slice(io.RawIOBase):
+class _Slice(io.IOBase):
     """Bytes ``[offset, offset + length)`` of the open file ``f``, as a file (read in place by
-    ``torch.load``: no copy of the whole slice first)."""
+    ``torch.load``: no copy of the whole slice first); it moves ``f``'s position."""
 
     def __init__(self, f: Any, offset: int, length: int) -> None:
         super().__init__()
-        self._f, self._start, self._end, self._at = f, offset, offset + length, offset
+        self._f, self._start, self._end = f, offset, offset + length
+        f.seek(offset)
 
     def readable(self) -> bool:
         return True
@@ -148,22 +149,24 @@ class _Slice(io.RawIOBase):
         return True
 
     def tell(self) -> int:
-        return self._at - self._start
+        return int(self._f.tell()) - self._start
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: self._start, io.SEEK_CUR: self._at, io.SEEK_END: self._end}[whence]
-        self._at = min(max(base + pos, self._start), self._end)
+        base = {io.SEEK_SET: self._start, io.SEEK_CUR: self._f.tell(), io.SEEK_END: self._end}
+        self._f.seek(min(max(base[whence] + pos, self._start), self._end))
         return self.tell()
+
+    def _left(self) -> int:
+        return max(0, self._end - int(self._f.tell()))
+
+    def read(self, size: int = -1) -> bytes:
+        left = self._left()
+        return bytes(self._f.read(left if size is None or size < 0 else min(size, left)))
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        n = min(len(view), self._end - self._at)
-        if n <= 0:
-            return 0
-        self._f.seek(self._at)
-        got = self._f.readinto(view[:n])
-        self._at += got
-        return got
+        left = self._left()
+        return int(self._f.readinto(view[:left] if len(view) > left else view))
 
 
 class SafeReader(FileSystemReader):
