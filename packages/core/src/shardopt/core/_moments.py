@@ -15,6 +15,7 @@ import torch
 
 from shardopt.core._base import Transformation, identity
 from shardopt.core._combinators import masked
+from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._reduce import whole_reference
 from shardopt.core._scalars import is_zero
 from shardopt.core._transforms import add_decayed_weights
@@ -27,6 +28,7 @@ __all__ = [
     "masked_if",
     "moment",
     "moment_per_elem_norm",
+    "nothing",
     "same_structure",
     "update_moment",
     "update_moment_per_elem_norm",
@@ -103,6 +105,11 @@ def zeros_in(params: PyTree, dtype: torch.dtype | None = None, value: float = 0.
     )
 
 
+def nothing() -> Transformation:
+    """:func:`~shardopt.core.identity`, declared elementwise."""
+    return with_kind(identity(), Kind.ELEMENTWISE, "identity")
+
+
 def masked_if(tx: Transformation, mask: Any) -> Transformation:
     """optax's ``mask`` argument: None or True applies ``tx`` to every leaf, False to none,
     anything else (a tree of bools or a callable of the params) goes to
@@ -110,14 +117,14 @@ def masked_if(tx: Transformation, mask: Any) -> Transformation:
     if mask is None or mask is True:
         return tx
     if mask is False:
-        return identity()
+        return nothing()
     return masked(tx, mask)
 
 
 def decayed_weights(weight_decay: Any, mask: Any) -> Transformation:
     """optax's ``add_decayed_weights(weight_decay, mask)``; nothing at all for a zero float."""
     if is_zero(weight_decay):
-        return identity()
+        return nothing()
     return masked_if(add_decayed_weights(weight_decay), mask)
 
 

@@ -112,6 +112,16 @@ def schedule_free(
     ``x = (y - (1 - b1) z) / b1``, ``c = w / (W + w)`` for ``w = max_lr**weight_lr_power``
     (``W`` the sum of earlier weights; 0 when both are 0), ``x' = (1 - c) x + c z'`` and
     ``y' = b1 x' + (1 - b1) z'``. Evaluate at ``x``: :func:`schedule_free_eval_params`.
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import apply_updates, scale_by_learning_rate
+        >>> tx = schedule_free(scale_by_learning_rate(0.5), lr=0.5, b1=0.5)
+        >>> p = [torch.zeros(1)]
+        >>> u, state = tx.update([torch.ones(1)], tx.init(p), p)
+        >>> y = apply_updates(p, u)
+        >>> y, schedule_free_eval_params(state, y)
+        ([tensor([-0.5000])], [tensor([-0.5000])])
     """
 
     def init(params: PyTree) -> ScheduleFreeState:
@@ -146,7 +156,8 @@ def schedule_free(
 
 
 def schedule_free_eval_params(state: ScheduleFreeState, params: PyTree) -> PyTree:
-    """The point to evaluate a schedule-free model at: ``x = (y - (1 - b1) z) / b1``."""
+    """The point to evaluate a schedule-free model at: ``x = (y - (1 - b1) z) / b1`` (see
+    :func:`schedule_free`)."""
     return tree_map(
         lambda y, z, b: None if y is None else (y - (1 - b) * z) / b, params, state.z, state.b1
     )
