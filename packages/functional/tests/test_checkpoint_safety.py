@@ -28,8 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from shardopt.core import adam, inject_hyperparams, plan_partition
-from shardopt.functional import load_checkpoint, save_checkpoint, shard
-from shardopt.functional.checkpoint._errors import CheckpointError
+from shardopt.functional import CheckpointError, load_checkpoint, save_checkpoint, shard
 from shardopt.functional.checkpoint._safe_load import safe_metadata
 from shardopt.testing import World
 

@@ -7,6 +7,7 @@ from shardopt.functional._shard import ShardedTransformation, shard
 from shardopt.functional._state import FieldKind, ShardedState, StateField, StepStats
 from shardopt.functional.checkpoint._checkpoint import load_sharded_state_dict, sharded_state_dict
 from shardopt.functional.checkpoint._dcp import load_checkpoint, save_checkpoint
+from shardopt.functional.checkpoint._errors import CheckpointError
 from shardopt.functional.checkpoint._torch_format import (
     consolidate_state_dict,
     load_torch_state_dict,
@@ -30,6 +31,7 @@ from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "Algorithm",
+    "CheckpointError",
     "FieldKind",
     "FlatLayout",
     "GradHooks",
