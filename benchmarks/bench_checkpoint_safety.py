@@ -1,15 +1,16 @@
-"""What safe checkpoints cost (issue 37): ``save_checkpoint`` and ``load_checkpoint`` of this
-checkout against the code before them, interleaved round by round.
+"""What safe checkpoints cost (issue 37): ``save_checkpoint`` and ``load_checkpoint`` of HEAD
+against the code before them, interleaved round by round.
 
-Each variant runs in worlds of its own (gloo, CPU, one process per rank, kept for the whole run):
-"before" imports shardopt from ``git archive <--before>`` unpacked into a temp dir, "after"
-from this checkout. The driver asks each in turn, alternating which goes first, to save (with
-``overwrite=True`` over its previous save, so each save also removes the one it supersedes)
-and then to load the checkpoint it just wrote. A time is rank 0's, between barriers. The state:
-Adam on ``--mib`` MiB of float32 parameters (flat plan over W ranks), saved with the
-parameters as ``extra``, as a training script does. Printed: per operation the median time of
-each variant and the median and range of the per-round ratio after/before, by the wall clock
-and by rank 0's CPU time (user + system: steadier on a shared machine).
+Each variant runs in a world of its own (gloo, CPU, one process per rank, kept for the whole
+run), importing shardopt from a temp dir: "after" from HEAD's sources (commit first), "before"
+from the same with issue 37's own files (the checkpoint package, ``engine/_failure.py``, the
+package's ``__init__``) as at ``--before``, so that only they differ. The driver asks each in
+turn, alternating which goes first, to save (with ``overwrite=True`` over its previous save, so
+each save also removes the one it supersedes) and then to load the checkpoint it just wrote. A
+time is rank 0's, between barriers. The state: Adam on ``--mib`` MiB of float32 parameters
+(flat plan over W ranks), saved with the parameters as ``extra``, as a training script does.
+Printed: per operation the median time of each variant and the median and range of the
+per-round ratio after/before, by the wall clock and by rank 0's CPU time (user + system).
 
     python benchmarks/bench_checkpoint_safety.py --world 1 --rounds 15
 """
@@ -31,6 +32,13 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "out" / "bench_checkpoint_safety.json"
 BEFORE = "2ed5477"  # the commit before issue 37's first
 SRC = ["packages/core/src", "packages/functional/src", "packages/testing/src"]
+# Issue 37's files: "before" is HEAD with these as they were at --before (so that only they
+# differ between the variants, whatever else changed since).
+OWN = [
+    "packages/functional/src/shardopt/functional/checkpoint",
+    "packages/functional/src/shardopt/functional/engine/_failure.py",
+    "packages/functional/src/shardopt/functional/__init__.py",
+]
 
 
 def _worker(rank: int, world: int, store: str, root: str, mib: int) -> None:
@@ -116,11 +124,18 @@ class Variant:
             p.wait(timeout=60)
 
 
-def _before_tree(rev: str, into: str) -> Path:
+def _tree(rev: str, paths: list[str], into: str) -> None:
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, *SRC], check=True, capture_output=True
+        ["git", "-C", str(REPO), "archive", rev, *paths], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+
+
+def _before_tree(rev: str, into: str) -> Path:
+    """HEAD's sources with issue 37's files (OWN) as at ``rev``."""
+    _tree("HEAD", SRC, into)
+    shutil.rmtree(os.path.join(into, OWN[0]))
+    _tree(rev, OWN, into)
     return Path(into)
 
 
@@ -134,9 +149,11 @@ def main() -> None:
     scratch = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         before = _before_tree(args.before, tempfile.mkdtemp(dir=scratch))
+        after = tempfile.mkdtemp(dir=scratch)
+        _tree("HEAD", SRC, after)
         variants = [
             Variant(name, src, args.world, scratch, args.mib)
-            for name, src in (("before", before), ("after", REPO))
+            for name, src in (("before", before), ("after", Path(after)))
         ]
         times: dict[str, dict[str, list[tuple[float, float]]]] = {
             op: {v.name: [] for v in variants} for op in ("save", "load")
