@@ -148,6 +148,16 @@ def test_a_path_shardopt_did_not_write_is_refused_on_every_rank_and_kept(
     assert not any(".v-" in name or name.endswith(".lock") for name in os.listdir(root))
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.world("n", backend="gloo", timeout=60)
+def test_a_save_into_missing_directories_makes_them(world: World, n: int, tmp_path: Any) -> None:
+    root = str(tmp_path)
+    path = os.path.join(root, "runs", "a", "ckpt")
+    _, _, state = _trained(world)
+    save_checkpoint(state, path, names=NAMES)
+    assert _complete(path) is None
+
+
 LOOK_ALIKES = {  # leftover names that shardopt did not mark: never removed
     "ckpt.v-00000000000000aa": "a directory named like a version, without the marker",
     "ckpt.link-00000000000000bb": "a regular file named like a link",
@@ -552,6 +562,12 @@ def _truncated(version: str) -> None:
             os.truncate(os.path.join(version, name), size // 2)
 
 
+def _malformed(version: str) -> None:
+    md = _metadata(version)
+    md.state_dict_metadata[7] = "not metadata"
+    _write_metadata(version, md)
+
+
 DAMAGED: dict[str, tuple[Callable[[str], None], type, str]] = {
     "chunks covering half of exp_avg": (
         lambda v: _half_chunks(v, "optim.state.w.exp_avg"),
@@ -569,6 +585,11 @@ DAMAGED: dict[str, tuple[Callable[[str], None], type, str]] = {
         "to hold a tensor of torch.float32 as its metadata says, got torch.bool",
     ),
     "truncated data files": (_truncated, CheckpointError, "(a truncated file)"),
+    "an entry of malformed metadata": (
+        _malformed,
+        ValueError,
+        "expected each entry to be a key with DCP's tensor or bytes metadata, got 7: str",
+    ),
 }
 
 

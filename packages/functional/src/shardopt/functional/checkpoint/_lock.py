@@ -82,6 +82,10 @@ class SaveLock:
         """Takes the lock; returns None, or why not (to follow ``expected``)."""
         if fcntl is None:
             return "a POSIX system (shardopt locks the checkpoint path with flock), got none"
+        try:  # (DCP's writer makes missing parents too)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        except OSError as exc:
+            return f"a directory for {self.target!r} that shardopt can create, got {exc}"
         for _ in range(_TRIES):
             flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
             try:

@@ -105,7 +105,31 @@ def safe_metadata(data: bytes, where: str) -> Metadata:
         raise UnsafeCheckpointError(f"{where}: expected a pickle, got {got}") from None
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise UnsafeCheckpointError(f"{where}: expected DCP's Metadata, got {type(md).__name__}")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str) or not _well_formed(entry):
+            raise UnsafeCheckpointError(
+                f"{where}: expected each entry to be a key with DCP's tensor or bytes metadata, "
+                f"got {key!r}: {type(entry).__name__}"
+            )
+    if md.storage_data is not None and not isinstance(md.storage_data, dict):
+        raise UnsafeCheckpointError(f"{where}: expected the data locations as a dict")
     return md
+
+
+def _well_formed(entry: Any) -> bool:
+    if isinstance(entry, BytesStorageMetadata):
+        return True
+    return (
+        isinstance(entry, TensorStorageMetadata)
+        and isinstance(entry.size, torch.Size)
+        and isinstance(entry.chunks, list)
+        and all(
+            isinstance(c, ChunkStorageMetadata)
+            and isinstance(c.offsets, torch.Size)
+            and isinstance(c.sizes, torch.Size)
+            for c in entry.chunks
+        )
+    )
 
 
 def _location(api: str, md: Metadata, index: Any) -> tuple[str, int, int]:
