@@ -92,8 +92,19 @@ def save_checkpoint(
         group: the process group (or DeviceMesh) of the sharded optimizer; a state with
             tensor-parallel parameters or replicas is saved by every rank of the default
             group (see [Note: tensor-parallel checkpoints]).
-        overwrite: replace an existing checkpoint at ``path`` (else it is an error).
+        overwrite: replace an existing checkpoint at ``path`` (else it is an error). Only a
+            checkpoint that shardopt wrote is ever replaced: anything else at ``path`` (a
+            directory, a file, another link) is refused whatever ``overwrite`` says.
         writer: makes the storage writer for a directory (default ``FileSystemWriter``).
+
+    Raises:
+        ValueError: on every rank, before anything is written: bad input, ``path`` not
+            shardopt's, or another save of any job writing to ``path`` now (its lock, see
+            [Note: checkpoint lock]), e.g. ``save_checkpoint: expected no other save writing
+            to '/ckpt' at the same time, got its lock '/ckpt.lock' held by pid 4242 on host
+            'node3' since 2026-11-27T06:00:00+00:00; retry once that save is done``.
+        CheckpointError: on every rank, when a rank's writes or the publish failed (``path``
+            keeps what it held).
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -214,7 +225,17 @@ def load_checkpoint(
     place too. Everything is checked against the checkpoint's metadata on every rank before
     any data is read, and every rank raises the same error on a mismatch. Injected
     hyperparameters in the checkpoint are read and checked first, and set with the rest (see
-    [Note: hyperparameters of a sharded state]).
+    [Note: hyperparameters of a sharded state]). No code from the files runs, and the state
+    (``extra`` too) is written only once every rank has read and checked all of it: a failed
+    load changes nothing (see [Note: safe loads]).
+
+    Raises:
+        ValueError: on every rank, before any data is read: the checkpoint does not fit the
+            state, or its ``.metadata`` is refused (it names another global than DCP's
+            metadata classes, or is malformed).
+        CheckpointError: on every rank, when a rank's reads fail or an entry is refused (a
+            crafted or truncated entry, chunks that do not cover a tensor exactly once, another
+            dtype), naming the entry.
 
     Example:
         see :func:`save_checkpoint`.
