@@ -4,7 +4,7 @@ at another world size and plan, each time matching torch's two optimizers in one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -32,14 +32,16 @@ LABELS = ["muon", "adamw"]  # the order of partition's transforms mapping
 # small_mlp's parameters, in plan-tensor order; its shapes are distinct, so a shape names one.
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
 MATRICES = {(16, 6), (12, 16), (3, 12)}
-# Plan kinds by the shapes they keep whole, which are the tensors whose pieces are 2-D and so
-# labelled "muon": greedy keeps everything whole, mixed the matrices (biases cut), hidden only
-# the two hidden matrices (the head's matrix is cut: its 1-D pieces go to AdamW).
+# Plan kinds by the shapes they keep whole, which are the tensors labelled "muon" (labels are
+# resolved on the whole tensors): greedy keeps everything whole, mixed the matrices (biases
+# cut), hidden only the two hidden matrices (the head's matrix is cut and labelled AdamW by its
+# shape, as the recipe labels it by name).
 WHOLE = {"greedy": None, "mixed": MATRICES, "hidden": {(16, 6), (12, 16)}}
 
 
-def piece_labels(pieces: Sequence[torch.Tensor]) -> list[str]:
-    return ["muon" if p.dim() == 2 else "adamw" for p in pieces]
+def labels_of(kind: str) -> Callable[[Sequence[torch.Tensor]], list[str]]:
+    """The labels for plan kind ``kind``: Muon for the matrices it keeps whole."""
+    return lambda ps: ["muon" if tuple(p.shape) in muon_shapes(kind) else "adamw" for p in ps]
 
 
 def muon_shapes(kind: str) -> set[tuple[int, ...]]:
@@ -77,7 +79,7 @@ def make_plan(params: list[torch.Tensor], world: int, kind: str) -> Any:
 
 
 def make_sharded(params: list[torch.Tensor], world: int, kind: str, stage: int) -> Any:
-    tx = partition({"muon": muon(lr=MUON_LR), "adamw": adamw(lr=ADAMW_LR)}, piece_labels)
+    tx = partition({"muon": muon(lr=MUON_LR), "adamw": adamw(lr=ADAMW_LR)}, labels_of(kind))
     sharded = shard(tx, make_plan(params, world, kind), stage=stage)
     return sharded, sharded.init(params)
 

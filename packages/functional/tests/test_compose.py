@@ -14,6 +14,7 @@ from shardopt.core import (
     apply_updates,
     chain,
     clip_by_global_norm,
+    masked,
     muon,
     partition,
     plan_partition,
@@ -69,6 +70,18 @@ def by_dim(p: torch.Tensor) -> str:
 
 
 CASES: dict[str, Callable[[], Transformation]] = {
+    "partition by dim()": lambda: partition(
+        {"matrix": momentum(0.1), "vector": elementwise(scale(-0.01), "scale")},
+        lambda ps: tree_map(by_dim, ps),
+    ),
+    "masked by a static tree": lambda: chain(
+        masked(elementwise(scale(0.0), "scale"), [False, True, False, True, False]),
+        momentum(0.1),
+    ),
+    "masked by dim()": lambda: chain(
+        masked(elementwise(scale(0.0), "scale"), lambda ps: [p.dim() == 1 for p in ps]),
+        momentum(0.1),
+    ),
     "clip_by_global_norm then momentum": lambda: chain(clip_by_global_norm(0.5), momentum(0.1)),
     "trust ratio then momentum": lambda: chain(trust_ratio(), momentum(0.1)),
     "partition by dim() of clip and trust ratio": lambda: partition(
@@ -160,23 +173,36 @@ def test_a_shaped_transformation_on_a_flat_plan_is_refused_naming_it(world: Worl
 
 
 @pytest.mark.world(2, timeout=120)
-def test_a_per_tensor_chain_adds_one_small_all_reduce_per_reduction_point(world: World) -> None:
+def test_a_per_tensor_chain_adds_one_small_all_reduce_per_reduction_point(
+    world: World,
+) -> None:
+    from shardopt.functional.engine import _scope
+
     params = params_()
     plan = plan_partition(params, world.world_size, strategy="flat", bucket_numel=16)
     sharding = shard(chain(trust_ratio(), momentum(0.1)), plan)
     state = sharding.init(params)
-    reducer = state.layout.scope.reducer
-    before = reducer.calls
-    state = sharding.step(params, grads_of(0, world.rank), state)
-    assert reducer.calls - before == 2  # ||p|| and ||u||: one all-reduce each
-    assert 4 * (reducer.n + 1) <= 8 * len(SHAPES) + 4  # float32 per tensor, + the tree slot
+    sent: list[int] = []
+    real = _scope.all_reduce_op
+
+    def counted(tensor: torch.Tensor, op: Any, *, group: Any = None) -> Any:
+        sent.append(tensor.numel() * tensor.element_size())
+        return real(tensor, op, group=group)
+
+    _scope.all_reduce_op = counted  # type: ignore[assignment]
+    try:
+        state = sharding.step(params, grads_of(0, world.rank), state)
+    finally:
+        _scope.all_reduce_op = real  # type: ignore[assignment]
+    assert len(sent) == 2  # ||p|| and ||u||: one all-reduce each
+    assert all(n <= 8 * len(SHAPES) for n in sent), sent  # a float32 per tensor, + the tree's
 
 
 @pytest.mark.world(2, timeout=120)
-def test_an_elementwise_chain_adds_no_reduction(world: World) -> None:
+def test_an_elementwise_chain_adds_no_collective_of_the_scope(world: World) -> None:
     params = params_()
     plan = plan_partition(params, world.world_size, strategy="flat", bucket_numel=16)
     sharding = shard(momentum(0.1), plan)
     state = sharding.init(params)
     state = sharding.step(params, grads_of(0, world.rank), state)
-    assert state.layout.scope is None  # no scope: no block can reduce
+    assert state.layout.scope.reducer.calls == 0

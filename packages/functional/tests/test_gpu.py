@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -149,3 +150,78 @@ def test_master_remainders_on_cuda_give_the_float32_masters_bitwise(world: World
         if a is not None:
             assert a.is_cuda
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def composed_on_cuda(name: str) -> Any:
+    """The composition table's cases that reduce across shards or resolve labels (W = 1)."""
+    from shardopt.core import (
+        adam,
+        adaptive_grad_clip,
+        chain,
+        clip_by_global_norm,
+        lamb,
+        lars,
+        muon,
+        partition,
+        scale,
+    )
+
+    def by_dim(ps: Any) -> Any:
+        return ["m" if p.dim() == 2 else "v" for p in ps]
+
+    return {
+        "clip_by_global_norm then adam": lambda: chain(clip_by_global_norm(0.5), adam(LR)),
+        "lamb": lambda: lamb(LR, weight_decay=0.01),
+        "lars": lambda: lars(LR, weight_decay=0.01),
+        "adaptive_grad_clip then adam": lambda: chain(adaptive_grad_clip(0.05), adam(LR)),
+        "partition by dim: muon and adamw": lambda: partition(
+            {"m": muon(lr=0.02), "v": adamw(LR)}, by_dim
+        ),
+        "partition by dim: lamb and scale": lambda: partition(
+            {"m": lamb(LR), "v": scale(-LR)}, by_dim
+        ),
+    }[name]()
+
+
+COMPOSED = [
+    "clip_by_global_norm then adam",
+    "lamb",
+    "lars",
+    "adaptive_grad_clip then adam",
+    "partition by dim: muon and adamw",
+    "partition by dim: lamb and scale",
+]
+
+
+@pytest.mark.parametrize("strategy", ["flat", "greedy"])
+@pytest.mark.gpu(1)
+@pytest.mark.world(1, backend="nccl", timeout=180)
+def test_the_composition_table_on_cuda_matches_one_process(world: World, strategy: str) -> None:
+    from shardopt.core import apply_updates
+    from shardopt.core.blocks import Kind, kind_of
+
+    failures = {}
+    for name in COMPOSED:
+        tx = composed_on_cuda(name)
+        shapes = ((6, 5), (7,), (3, 4), (9, 2))
+        params = [torch.randn(s, device=world.device, generator=None) for s in shapes]
+        grads = [[torch.randn_like(p) for p in params] for _ in range(STEPS)]
+        ref_params, ref_state = [p.clone() for p in params], None
+        ref_tx = composed_on_cuda(name)
+        ref_state = ref_tx.init(ref_params)
+        for g in grads:
+            updates, ref_state = ref_tx.update(list(g), ref_state, ref_params)
+            ref_params = apply_updates(ref_params, updates)
+        plan = plan_partition(params, 1, strategy=strategy, bucket_numel=16)
+        sharded = shard(tx, plan)
+        if strategy == "flat" and Kind.SHAPED in (kind_of(tx) or Kind.ELEMENTWISE):
+            with pytest.raises(ValueError, match="needs each tensor in its shape"):
+                sharded.init(params)
+            continue
+        state = sharded.init(params)
+        for g in grads:
+            state = sharded.step(params, list(g), state)
+        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(params, ref_params))
+        if not (worst <= 1e-5 and all(p.is_cuda for p in params)):
+            failures[name] = worst
+    assert not failures, failures

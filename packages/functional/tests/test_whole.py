@@ -297,8 +297,8 @@ def test_adafactors_factored_state_reshards_through_dcp(run_world, tmp_path, sav
 
 
 # A mixed plan: the hidden matrices whole (Muon), the rest cut like a flat plan (AdamW), one
-# plan and one schedule. The embedding is a matrix too, but AdamW's: the plan cuts it, so its
-# pieces come 1-D and the labels send it to AdamW, as the recipe does by name.
+# plan and one schedule. The embedding is a matrix too, but AdamW's: labels are resolved on the
+# whole tensors, so the recipe labels it by name (here by shape, which names it).
 class Tagger(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -309,6 +309,9 @@ class Tagger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(self.embed(x).mean(1)))
+
+
+HIDDEN = {(16, 8), (8, 16)}  # the hidden matrices' shapes (the Tagger's shapes are distinct)
 
 
 def is_hidden(name: str, p: torch.Tensor) -> bool:
@@ -344,7 +347,7 @@ def mixed_recipe(rank: int, world: int, stage: int) -> list[torch.Tensor]:
     params = list(model.parameters())
     tx = partition(
         {"muon": muon(lr=0.02), "adamw": adamw(lr=1e-2)},
-        lambda ps: ["muon" if p.dim() == 2 else "adamw" for p in ps],
+        lambda ps: ["muon" if tuple(p.shape) in HIDDEN else "adamw" for p in ps],
     )
     plan = tagger_plan(model, world)
     sharded = shard(tx, plan, stage=stage)

@@ -86,7 +86,9 @@ def identity() -> Transformation:
         >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
         [tensor([1.])]
     """
-    return stateless(lambda updates, params: updates)
+    from shardopt.core._kinds import Kind, with_kind
+
+    return with_kind(stateless(lambda updates, params: updates), Kind.ELEMENTWISE, "identity")
 
 
 # [Note: whole tensors]

@@ -42,7 +42,6 @@ from shardopt.functional.engine._scope import ShardReducer, meta_tree, shard_sco
 from shardopt.functional.engine._update import (
     cut_for_whole,
     probe_scope,
-    reduces,
     shaped,
     unshardable,
     update_and_sync,
@@ -201,9 +200,9 @@ def _agreed_fields(
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
         error = error or unshardable(tx, split)
-        error = error or (cut_for_whole(tx, plan, split) if whole else None)
+        error = error or (cut_for_whole(tx, plan, split, tree) if whole else None)
         dtypes = _piece_dtypes(plan, opts)
-        with in_scope(probe_scope(plan, tree) if reduces(tx) else None):
+        with in_scope(probe_scope(plan, tree)):  # masks and labels see the params' tree
             probed = probe_fields(
                 tx, [torch.zeros((2, 3) if whole else 2, dtype=d) for d in dtypes]
             )
@@ -251,10 +250,9 @@ def _init(
     shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(fulls)]
     views = layout.piece_views(shards)
     presented = shaped(layout, views) if whole else views
-    if reduces(tx):  # see [Note: reductions across shards] in core
-        reducer_ = ShardReducer(group, len(plan.tensors), layout.buffers[0].device)
-        pieces = [p.tensor for p in layout.pieces]
-        layout.scope = shard_scope(tree, len(plan.tensors), pieces, reducer_)
+    reducer_ = ShardReducer(group, len(plan.tensors), layout.buffers[0].device)
+    pieces = [p.tensor for p in layout.pieces]  # see [Note: scopes of sharded updates]
+    layout.scope = shard_scope(tree, len(plan.tensors), pieces, reducer_)
     labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
     with in_scope(layout.scope):
         inner, fields, _ = flatten_state(tx.init(presented), layout, probed)

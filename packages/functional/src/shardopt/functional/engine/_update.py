@@ -69,13 +69,14 @@ def unshardable(tx: Transformation, split: Sequence[bool]) -> str | None:
     return None
 
 
-# [Note: scopes of reducing updates]
-# Only an update that reduces across shards (a declared PER_TENSOR or WHOLE_TREE kind) runs in a
-# scope (layout.scope is None otherwise): its blocks are made whole, and its masks and labels are
-# resolved on the whole parameters. Elementwise and shaped updates still resolve masks and labels
-# on what they are given (a cut tensor as a 1-D slice, as [Note: whole matrices] says): moving
-# them to whole-tensor labels too needs mixed plans to refuse a SHAPED label on a cut tensor by
-# its whole shape first, which is not done yet.
+# [Note: scopes of sharded updates]
+# Every update under shard runs in a scope (core's [Note: reductions across shards]): masks and
+# labels resolve on the whole parameters, so every piece of a tensor gets its tensor's label on
+# every plan (a matrix cut by a flat plan is still a matrix to ``p.dim()``), and a reducing
+# update's blocks are made whole by one all-reduce per call. An elementwise update keeps its
+# bucket-by-bucket pipeline, each bucket's call in the scope of its pieces; a reducing one (a
+# declared PER_TENSOR or WHOLE_TREE kind) runs once over all pieces, on every rank, since its
+# blocks are collectives.
 
 
 def reduces(tx: Transformation) -> bool:
@@ -157,7 +158,9 @@ def _update(
     update_flat_(tx, params[lo:hi], grads[lo:hi], state)
 
 
-def cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str | None:
+def cut_for_whole(
+    tx: Transformation, plan: Plan, split: Sequence[bool], tree: PyTree = None
+) -> str | None:
     """Why ``plan`` cannot run ``tx``, which needs whole tensors, or None: a flat plan, a mixed
     one cutting a tensor that ``tx`` updates whole, or such a tensor split by tensor parallelism
     (``split``: DTensors with a Shard placement; see [Note: whole matrices])."""
@@ -171,7 +174,10 @@ def cut_for_whole(tx: Transformation, plan: Plan, split: Sequence[bool]) -> str 
         torch.empty(spec.shape if plan.is_whole(t) else (spec.numel,), device="meta")
         for t, spec in enumerate(plan.tensors)
     ]
-    mask = whole_tensor_mask(tx, presented)
+    every = range(len(plan.tensors))  # labels of the whole tensors, as the update resolves them
+    scope = None if tree is None else Scope(tree, tuple(every), tuple(every), LocalReducer())
+    with in_scope(scope):
+        mask = whole_tensor_mask(tx, presented)
     parts = [t for t, w in enumerate(mask) if w and t < len(split) and split[t]]
     if parts:
         return (
