@@ -158,6 +158,30 @@ def test_a_save_into_missing_directories_makes_them(world: World, n: int, tmp_pa
     assert _complete(path) is None
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.world("n", backend="gloo", timeout=60)
+def test_a_checkpoint_of_the_format_before_the_marker_loads_and_is_replaced(
+    world: World, n: int, tmp_path: Any
+) -> None:
+    """The format before: the link and its version, without the marker file."""
+    root = _shared_dir(world, tmp_path, "root")
+    path = os.path.join(root, "ckpt")
+    _, _, state = _trained(world)
+    save_checkpoint(state, path, names=NAMES)
+    old = os.path.realpath(path)
+    dist.barrier()
+    if world.rank == 0:
+        os.remove(os.path.join(old, ".shardopt_checkpoint"))
+    dist.barrier()
+    fresh = _trained(world, seed=5.0)[2]
+    load_checkpoint(fresh, path, names=NAMES)
+    assert [t.tolist() for t in _tensors(fresh)] == [t.tolist() for t in _tensors(state)]
+    save_checkpoint(state, path, names=NAMES, overwrite=True)
+    assert os.path.realpath(path) != old
+    assert not os.path.exists(old)  # the version the link named: removed once superseded
+    assert _complete(path) is None
+
+
 LOOK_ALIKES = {  # leftover names that shardopt did not mark: never removed
     "ckpt.v-00000000000000aa": "a directory named like a version, without the marker",
     "ckpt.link-00000000000000bb": "a regular file named like a link",
