@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 from torch.utils import _pytree as pytree
 
 from shardopt.core._base import Transformation, inherit_whole_tensors, needs_whole_tensors
-from shardopt.core._reduce import sub_scope, whole_reference
+from shardopt.core._reduce import resolved, sub_scope, whole_reference
 from shardopt.core._tree import PyTree, tree_leaves, tree_structure
 
 __all__ = [
@@ -72,7 +72,7 @@ def _resolve_whole(
     if whole is None:
         return _resolve_on(api, what, spec, reference), None
     tree, of_leaf = whole
-    values = _resolve_on(api, what, spec, tree)
+    values = resolved(spec, lambda: _resolve_on(api, what, spec, tree))
     return [values[w] for w in of_leaf], values
 
 

@@ -27,6 +27,7 @@ from shardopt.core._tree import PyTree, tree_leaves, tree_map
 
 __all__ = [
     "Reducer",
+    "resolved",
     "Scope",
     "current_scope",
     "in_scope",
@@ -66,6 +67,7 @@ class Scope(NamedTuple):
     ids: tuple[int, ...]
     of_leaf: tuple[int, ...]
     reducer: Reducer
+    cache: dict[Any, Any] | None = None  # what depends on ``tree`` alone (see ``resolved``)
 
 
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("shardopt_scope")
@@ -111,16 +113,36 @@ def sub_scope(selected_whole: Sequence[int], index: Sequence[int]) -> Iterator[N
     if scope is None:
         yield
         return
-    whole = tree_leaves(scope.tree)
+    key = ("sub", tuple(selected_whole))
+    cache = scope.cache if scope.cache is not None else {}
+    if key not in cache:  # the narrowed whole tree, made once per selection
+        whole = tree_leaves(scope.tree)
+        cache[key] = ([whole[w] for w in selected_whole], {})
+    tree, inner_cache = cache[key]
     position = {w: k for k, w in enumerate(selected_whole)}
     narrowed = Scope(
-        [whole[w] for w in selected_whole],
+        tree,
         tuple(scope.ids[w] for w in selected_whole),
         tuple(position[scope.of_leaf[i]] for i in index),
         scope.reducer,
+        inner_cache,
     )
     with in_scope(narrowed):
         yield
+
+
+def resolved(spec: Any, compute: Any) -> Any:
+    """``compute()``, a value of the active scope's whole tree alone (a mask or labels of
+    ``spec``), made once per scope and spec: an update resolves them at every call, bucket by
+    bucket, on the same tree. Without a scope (or its cache), computed each time."""
+    scope = current_scope()
+    if scope is None or scope.cache is None:
+        return compute()
+    entry = scope.cache.get(id(spec))
+    if entry is None or entry[0] is not spec:  # the spec itself is kept: its id is not reused
+        entry = (spec, compute())
+        scope.cache[id(spec)] = entry
+    return entry[1]
 
 
 def _per_leaf(tree: PyTree, partial: Any, op: str) -> PyTree:

@@ -65,4 +65,4 @@ def meta_tree(params: PyTree) -> PyTree:
 
 def shard_scope(tree: PyTree, n_tensors: int, of_leaf: Sequence[int], reducer: Any) -> Scope:
     """The scope of an update of the pieces whose plan tensors are ``of_leaf``."""
-    return Scope(tree, tuple(range(n_tensors)), tuple(of_leaf), reducer)
+    return Scope(tree, tuple(range(n_tensors)), tuple(of_leaf), reducer, {})
