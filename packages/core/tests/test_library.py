@@ -45,7 +45,8 @@ KINDS: dict[str, tuple[Callable[[], Any], Kind]] = {
     "schedule_free_adamw": (lambda: so.schedule_free_adamw(), E),
     "scale_by_trust_ratio": (lambda: so.scale_by_trust_ratio(), PT),
     "clip_by_block_rms": (lambda: so.clip_by_block_rms(1.0), PT),
-    "adaptive_grad_clip": (lambda: so.adaptive_grad_clip(0.01), SH),
+    "adaptive_grad_clip": (lambda: so.adaptive_grad_clip(0.01), PT),
+    "adaptive_grad_clip_axis": (lambda: so.adaptive_grad_clip(0.01, axis=1), SH),
     "centralize": (lambda: so.centralize(), SH),
     "ema": (lambda: so.ema(0.9), E),
     "apply_if_finite": (lambda: so.apply_if_finite(so.adam(1e-3), 3), WT),
@@ -244,6 +245,8 @@ class LocalReducer:
     """Every piece is local: the whole tensor's value is the sum (or max) over its pieces."""
 
     def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor:
+        if op == "rows":  # one slot per row of every tensor, already summed over the pieces
+            return values
         out = values.clone()
         for i, key in enumerate(ids):
             same = values[[j for j, k in enumerate(ids) if k == key]]
@@ -270,6 +273,8 @@ def _run_pieces(tx: Any, steps: list[list[torch.Tensor]], params: list[torch.Ten
         (0, 1, 2),
         (0, 0, 1, 1, 2, 2),
         LocalReducer(),
+        None,
+        (0, at[0], 0, at[1], 0, at[2]),  # where each piece starts in its tensor
     )
     p = _cut(params, at)
     with in_scope(scope):
@@ -308,6 +313,7 @@ PIECES: dict[str, Callable[[], Any]] = {
     "ema": lambda: so.chain(so.ema(0.9), so.sgd(0.1)),
     "apply_if_finite": lambda: so.apply_if_finite(so.lamb(1e-2), 2),
     "zero_nans": lambda: so.chain(so.zero_nans(), so.sgd(0.1)),
+    "adaptive_grad_clip": lambda: so.chain(so.adaptive_grad_clip(0.05), so.sgd(0.1)),
 }
 
 

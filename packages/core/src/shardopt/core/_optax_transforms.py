@@ -19,7 +19,7 @@ from shardopt.core._base import Transformation, init_count, stateless
 from shardopt.core._checks import expect
 from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._moments import map_updates, same_structure
-from shardopt.core._reduce import tensor_sum, whole_reference
+from shardopt.core._reduce import row_norm, tensor_sum, whole_reference
 from shardopt.core._tree import PyTree, tree_leaves, tree_map
 
 __all__ = [
@@ -60,7 +60,9 @@ def adaptive_grad_clip(
     """Adaptive gradient clipping (Brock et al., 2021), as optax's: each unit's gradient ``g``
     (see :func:`unitwise_norm`) is scaled to at most ``clipping * max(||p||, eps)``:
     ``g' = g`` where ``||g|| < max_norm``, else ``g * max_norm / max(||g||, 1e-6)``. Needs
-    ``params``; each tensor whole in its shape (``Kind.SHAPED``).
+    ``params``. With the default units (output rows) the norms come from the ``row_norm``
+    reduction block, so it runs on slices (``Kind.PER_TENSOR``); with an ``axis``, each tensor
+    whole in its shape (``Kind.SHAPED``).
 
     Example:
         >>> tx = adaptive_grad_clip(0.5)
@@ -72,19 +74,30 @@ def adaptive_grad_clip(
     """
     expect(clipping >= 0, "adaptive_grad_clip", "clipping >= 0", clipping)
 
-    def rule(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        g_norm, p_norm = unitwise_norm(g, axis), unitwise_norm(p, axis)
+    def clipped(g: torch.Tensor, g_norm: torch.Tensor, p_norm: torch.Tensor) -> torch.Tensor:
         max_norm = clipping * torch.clamp(p_norm, min=eps)
-        clipped = g * (max_norm / torch.clamp(g_norm, min=1e-6))
-        return torch.where(g_norm < max_norm, g, clipped)
+        scaled = g * (max_norm / torch.clamp(g_norm, min=1e-6)).to(g.dtype)
+        return torch.where(g_norm < max_norm, g, scaled)
 
     def apply(updates: PyTree, params: PyTree | None) -> PyTree:
         if params is None:
             raise ValueError("adaptive_grad_clip: expected params, got None")
         same_structure("adaptive_grad_clip", updates, params)
-        return map_updates(rule, updates, params)
+        if axis is not None:  # units of the caller's choosing: each tensor whole in its shape
+            return map_updates(
+                lambda g, p: clipped(g, unitwise_norm(g, axis), unitwise_norm(p, axis)),
+                updates,
+                params,
+            )
+        g_norms, p_norms = row_norm(updates), row_norm(params)  # blocks: rows of whole tensors
+        return tree_map(
+            lambda g, gn, pn: None if g is None else clipped(g, gn, pn), updates, g_norms, p_norms
+        )
 
-    return with_kind(stateless(apply), Kind.SHAPED, "adaptive_grad_clip")
+    # rows (all dimensions but the first) through the row_norm block, so slices are fine; an
+    # explicit axis reads the shape
+    kind = Kind.PER_TENSOR if axis is None else Kind.SHAPED
+    return with_kind(stateless(apply), kind, "adaptive_grad_clip")
 
 
 def centralize() -> Transformation:

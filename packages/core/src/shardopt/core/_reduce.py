@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -27,6 +28,7 @@ from shardopt.core._tree import PyTree, tree_leaves, tree_map
 
 __all__ = [
     "Reducer",
+    "row_norm",
     "resolved",
     "Scope",
     "current_scope",
@@ -49,7 +51,8 @@ class Reducer(Protocol):
     """What the engine gives the blocks: ``combine(values, ids, op)`` takes one partial per leaf
     (``values``, float32) and the plan tensor of each (``ids``; -1 for the whole tree), and
     returns each leaf's value over the whole tensor, or the tree's, after one collective; ``op``
-    is ``"sum"`` or ``"max"``."""
+    is ``"sum"`` or ``"max"``, or ``"rows"``: ``values`` holds one slot per output row of every
+    tensor in scope (``row_norm``), summed as it is."""
 
     def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor: ...
 
@@ -68,6 +71,7 @@ class Scope(NamedTuple):
     of_leaf: tuple[int, ...]
     reducer: Reducer
     cache: dict[Any, Any] | None = None  # what depends on ``tree`` alone (see ``resolved``)
+    starts: tuple[int, ...] | None = None  # each leaf's first element in its whole tensor
 
 
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("shardopt_scope")
@@ -126,6 +130,7 @@ def sub_scope(selected_whole: Sequence[int], index: Sequence[int]) -> Iterator[N
         tuple(position[scope.of_leaf[i]] for i in index),
         scope.reducer,
         inner_cache,
+        None if scope.starts is None else tuple(scope.starts[i] for i in index),
     )
     with in_scope(narrowed):
         yield
@@ -225,6 +230,69 @@ def tensor_sum(tree: PyTree) -> PyTree:
 def tensor_max_abs(tree: PyTree) -> PyTree:
     """Per leaf: the largest absolute value in its whole tensor (float32 0-d; 0 for empty)."""
     return _per_leaf(tree, lambda x: x.abs().max().float() if x.numel() else x.new_zeros(()), "max")
+
+
+def _rows(shape: Sequence[int]) -> int:
+    """How many units a whole tensor of ``shape`` has: its first dimension's size where it has
+    two or more dimensions that are not all 1 (torch's layouts: a unit is an output row), else
+    one unit, the whole tensor."""
+    squeezed = [n for n in shape if n != 1]
+    return int(shape[0]) if len(squeezed) > 1 else 1
+
+
+def row_norm(tree: PyTree) -> PyTree:
+    """Per leaf, each element's unit norm: the 2-norm of its output row of the whole tensor (every
+    dimension but the first; the whole tensor for scalars and vectors), broadcast to the leaf.
+    Under a scope a leaf may be a 1-D piece of its tensor's flattened elements (one float32 per
+    row of every tensor travels in one all-reduce).
+
+    Example:
+        >>> import torch
+        >>> row_norm([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([3.0, 4.0])])
+        [tensor([[5., 5.],
+                [1., 1.]]), tensor([5., 5.])]
+    """
+    scope = current_scope()
+    if scope is None:
+        return tree_map(lambda x: None if x is None else _local_row_norm(x), tree)
+    leaves = tree_leaves(tree)
+    whole = tree_leaves(scope.tree)
+    shapes = [tuple(whole[w].shape) for w in range(len(whole))]
+    base = [0]
+    for shape in shapes:
+        base.append(base[-1] + _rows(shape))
+    slots, values = [], []
+    for i, x in enumerate(leaves):
+        if x is None:
+            continue
+        w = scope.of_leaf[i]
+        start = 0 if scope.starts is None else scope.starts[i]
+        width = max(1, math.prod(shapes[w]) // _rows(shapes[w]))
+        rows = (torch.arange(x.numel(), device=x.device) + start) // width + base[w]
+        slots.append(rows)
+        values.append(x.reshape(-1).float().square())
+    total = _row_sums(slots, values, base[-1], leaves)
+    rows_of = iter(slots)  # in the order of the non-None leaves
+    out = [None if x is None else total[next(rows_of)].sqrt().reshape(x.shape) for x in leaves]
+    return _unflatten_like(tree, out)
+
+
+def _row_sums(slots: list[torch.Tensor], values: list[torch.Tensor], n: int, leaves: Any) -> Any:
+    """The sum of squares of every row of every tensor in scope, after one all-reduce."""
+    scope = current_scope()
+    assert scope is not None
+    device = next((x.device for x in leaves if x is not None), torch.device("cpu"))
+    local = torch.zeros(n, dtype=torch.float32, device=device)
+    for rows, v in zip(slots, values):
+        local.index_add_(0, rows, v)
+    return scope.reducer.combine(local, list(range(n)), "rows").to(device)
+
+
+def _local_row_norm(x: torch.Tensor) -> torch.Tensor:
+    if _rows(tuple(x.shape)) == 1:
+        return torch.linalg.vector_norm(x, 2.0).expand(x.shape)
+    dims = tuple(range(1, x.dim()))
+    return torch.linalg.vector_norm(x, 2.0, dim=dims, keepdim=True).expand(x.shape)
 
 
 def tree_sum_sq(tree: PyTree) -> torch.Tensor:

@@ -252,7 +252,8 @@ def _init(
     presented = shaped(layout, views) if whole else views
     reducer_ = ShardReducer(group, len(plan.tensors), layout.buffers[0].device)
     pieces = [p.tensor for p in layout.pieces]  # see [Note: scopes of sharded updates]
-    layout.scope = shard_scope(tree, len(plan.tensors), pieces, reducer_)
+    starts = [p.start for p in layout.pieces]
+    layout.scope = shard_scope(tree, len(plan.tensors), pieces, starts, reducer_)
     labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
     with in_scope(layout.scope):
         inner, fields, _ = flatten_state(tx.init(presented), layout, probed)

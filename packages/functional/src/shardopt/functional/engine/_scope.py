@@ -27,6 +27,12 @@ class ShardReducer:
 
     def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor:
         """Each leaf's value over its whole tensor (id -1: the whole tree)."""
+        if op == "rows":  # already one slot per row of every tensor: summed as it is
+            vector = values.to(self.device, torch.float32).clone()
+            if dist.get_world_size(self.group) > 1:
+                all_reduce_op(vector, dist.ReduceOp.SUM, group=self.group)
+            self.calls += 1
+            return vector
         slots = torch.tensor([self.n if i < 0 else i for i in ids], dtype=torch.int64)
         slots = slots.to(self.device)
         vector = torch.zeros(self.n + 1, dtype=torch.float32, device=self.device)
@@ -63,6 +69,9 @@ def meta_tree(params: PyTree) -> PyTree:
     return tree_map(meta, params)
 
 
-def shard_scope(tree: PyTree, n_tensors: int, of_leaf: Sequence[int], reducer: Any) -> Scope:
-    """The scope of an update of the pieces whose plan tensors are ``of_leaf``."""
-    return Scope(tree, tuple(range(n_tensors)), tuple(of_leaf), reducer, {})
+def shard_scope(
+    tree: PyTree, n_tensors: int, of_leaf: Sequence[int], starts: Sequence[int], reducer: Any
+) -> Scope:
+    """The scope of an update of the pieces whose plan tensors are ``of_leaf`` and whose first
+    elements in them are ``starts``."""
+    return Scope(tree, tuple(range(n_tensors)), tuple(of_leaf), reducer, {}, tuple(starts))

@@ -86,7 +86,10 @@ def reduces(tx: Transformation) -> bool:
 
 def _narrowed(scope: Scope | None, lo: int, hi: int) -> Scope | None:
     """``scope`` for the pieces ``lo:hi`` alone (an elementwise update, bucket by bucket)."""
-    return None if scope is None else scope._replace(of_leaf=scope.of_leaf[lo:hi])
+    if scope is None:
+        return None
+    starts = None if scope.starts is None else scope.starts[lo:hi]
+    return scope._replace(of_leaf=scope.of_leaf[lo:hi], starts=starts)
 
 
 def probe_scope(plan: Plan, tree: PyTree) -> Scope:
