@@ -642,10 +642,39 @@ def test_a_damaged_checkpoint_raises_and_leaves_the_state_as_it_was(
     assert _unchanged(fresh, snap)
 
 
+def _read_as(mode: str) -> None:
+    """Makes this rank's loads read each item whole into memory, or through a file slice."""
+    from shardopt.functional.checkpoint import _safe_load
+
+    _safe_load.WHOLE_BYTES = 1 << 62 if mode == "in memory" else 0
+
+
+@pytest.mark.parametrize("mode", ["in memory", "as a file slice"])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.world("n", backend="gloo", timeout=60)
-def test_a_good_checkpoint_still_loads_every_entry(world: World, n: int, tmp_path: Any) -> None:
+def test_a_truncated_file_read_either_way_raises_and_leaves_the_state(
+    world: World, n: int, mode: str, tmp_path: Any
+) -> None:
+    _read_as(mode)
+    root = _shared_dir(world, tmp_path, "root")
+    fresh, path, version = _saved(world, root)
+    if world.rank == 0:
+        _truncated(version)
+    dist.barrier()
+    snap = _snapshot(fresh)
+    with pytest.raises(CheckpointError, match=r"\(a truncated file\)"):
+        load_checkpoint(fresh, path, names=NAMES)
+    assert _unchanged(fresh, snap)
+
+
+@pytest.mark.parametrize("mode", ["in memory", "as a file slice"])
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.world("n", backend="gloo", timeout=60)
+def test_a_good_checkpoint_still_loads_every_entry(
+    world: World, n: int, mode: str, tmp_path: Any
+) -> None:
     """The control of the cases above: the undamaged save loads, changing the state."""
+    _read_as(mode)
     root = _shared_dir(world, tmp_path, "root")
     fresh, path, _ = _saved(world, root)
     snap = _snapshot(fresh)

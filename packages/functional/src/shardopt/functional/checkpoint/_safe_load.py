@@ -159,11 +159,11 @@ def _narrowed(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -
 
 class _Slice(io.IOBase):
     """Bytes ``[offset, offset + length)`` of the open file ``f``, as a file (read in place by
-    ``torch.load``: no copy of the whole slice first); it moves ``f``'s position."""
+    ``torch.load``: no copy of the whole slice first); the only reader of ``f`` meanwhile."""
 
     def __init__(self, f: Any, offset: int, length: int) -> None:
         super().__init__()
-        self._f, self._start, self._end = f, offset, offset + length
+        self._f, self._start, self._end, self._at = f, offset, offset + length, offset
         f.seek(offset)
 
     def readable(self) -> bool:
@@ -173,24 +173,31 @@ class _Slice(io.IOBase):
         return True
 
     def tell(self) -> int:
-        return int(self._f.tell()) - self._start
+        return self._at - self._start
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: self._start, io.SEEK_CUR: self._f.tell(), io.SEEK_END: self._end}
-        self._f.seek(min(max(base[whence] + pos, self._start), self._end))
-        return self.tell()
-
-    def _left(self) -> int:
-        return max(0, self._end - int(self._f.tell()))
+        base = {io.SEEK_SET: self._start, io.SEEK_CUR: self._at, io.SEEK_END: self._end}
+        self._at = min(max(base[whence] + pos, self._start), self._end)
+        self._f.seek(self._at)
+        return self._at - self._start
 
     def read(self, size: int = -1) -> bytes:
-        left = self._left()
-        return bytes(self._f.read(left if size is None or size < 0 else min(size, left)))
+        left = self._end - self._at
+        data = self._f.read(left if size is None or size < 0 else min(size, left))
+        self._at += len(data)
+        return bytes(data)
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        left = self._left()
-        return int(self._f.readinto(view[:left] if len(view) > left else view))
+        left = self._end - self._at
+        n = int(self._f.readinto(view[:left] if len(view) > left else view))
+        self._at += n
+        return n
+
+
+# Items up to this size are read whole and loaded from memory (fewer calls into Python for
+# torch.load's small reads); larger ones through a _Slice (no copy of their bytes first).
+WHOLE_BYTES = 1 << 20
 
 
 class SafeReader(FileSystemReader):
@@ -230,7 +237,11 @@ class SafeReader(FileSystemReader):
                             f"offset {offset} of {name}, got {max(0, size - offset)} (a "
                             "truncated file)"
                         )
-                    planner.stage(item, _Slice(f, offset, length))
+                    if length <= WHOLE_BYTES:
+                        f.seek(offset)
+                        planner.stage(item, io.BytesIO(f.read(length)))
+                    else:
+                        planner.stage(item, _Slice(f, offset, length))
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
