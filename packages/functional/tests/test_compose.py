@@ -206,3 +206,20 @@ def test_an_elementwise_chain_adds_no_collective_of_the_scope(world: World) -> N
     state = sharding.init(params)
     state = sharding.step(params, grads_of(0, world.rank), state)
     assert state.layout.scope.reducer.calls == 0
+
+
+@pytest.mark.world(4, timeout=120)
+def test_a_reducing_chain_on_a_hybrid_mesh_equals_one_process_fed_the_mean_gradient(
+    world: World,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    case = "partition by dim() of clip and trust ratio"
+    params = params_()
+    plan = plan_partition(params, 2, strategy="flat", bucket_numel=16)  # the shard dim's size
+    sharding = shard(CASES[case](), plan, group=mesh, stage=2)
+    state = sharding.init(params)
+    for step in range(STEPS):
+        state = sharding.step(params, grads_of(step, world.rank), state)
+    assert_close(params, one_process(CASES[case](), world.world_size))
