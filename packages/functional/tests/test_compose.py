@@ -158,10 +158,10 @@ def test_an_undeclared_per_tensor_transformation_is_refused_at_init_on_every_ran
     plan = plan_partition(params, world.world_size, strategy="flat")
     with pytest.raises(
         ValueError,
-        match=r"declares none and whose update of one element reads "
-        r"other elements of the tensor",
+        match=r"got undeclared_trust_ratio, which declares none and whose update of one "
+        r"element reads other elements of the tensor",
     ):
-        shard(undeclared_trust_ratio(), plan).init(params)
+        shard(chain(undeclared_trust_ratio(), momentum(0.1)), plan).init(params)
 
 
 @pytest.mark.world(2, timeout=120)

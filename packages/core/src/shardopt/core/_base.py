@@ -74,6 +74,8 @@ def stateless(apply: Callable[[PyTree, PyTree | None], PyTree]) -> Transformatio
     ) -> tuple[PyTree, EmptyState]:
         return apply(updates, params), state
 
+    # named after the function that made ``apply``, for messages (``undeclared_name``)
+    update.__qualname__ = getattr(apply, "__qualname__", update.__qualname__)
     return Transformation(init, update)
 
 

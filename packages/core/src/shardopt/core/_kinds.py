@@ -26,7 +26,15 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-__all__ = ["Kind", "Declared", "declared", "inherit_kind", "kind_of", "with_kind"]
+__all__ = [
+    "Kind",
+    "Declared",
+    "declared",
+    "inherit_kind",
+    "kind_of",
+    "undeclared_name",
+    "with_kind",
+]
 
 
 class Kind(enum.Flag):
@@ -52,6 +60,27 @@ class Declared(NamedTuple):
 
 
 _KINDS: weakref.WeakKeyDictionary[Callable[..., Any], Declared] = weakref.WeakKeyDictionary()
+# a combinator left undeclared -> its first undeclared member
+_UNDECLARED: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
+
+
+def undeclared_name(tx: Any) -> str:
+    """The name of the transformation inside ``tx`` that left it undeclared: its own, or that
+    of the first undeclared member of a combinator, by its function's qualified name (the
+    function that made it, for a closure: ``my_trust_ratio`` for ``my_trust_ratio.<locals>``).
+
+    Example:
+        >>> from shardopt.core import adam, chain
+        >>> from shardopt.core.blocks import stateless, undeclared_name
+        >>> def my_rule():
+        ...     return stateless(lambda updates, params: updates)
+        >>> undeclared_name(chain(my_rule(), adam(1e-3)))
+        'my_rule'
+    """
+    while tx.update in _UNDECLARED:
+        tx = _UNDECLARED[tx.update]
+    qualname = getattr(tx.update, "__qualname__", None) or repr(tx.update)
+    return qualname.split(".<locals>")[0]
 
 
 def with_kind(tx: Any, kind: Kind, name: str) -> Any:
@@ -106,6 +135,7 @@ def inherit_kind(tx: Any, inner: Iterable[Any]) -> Any:
     for member in inner:
         found = declared(member)
         if found is None:
+            _UNDECLARED[tx.update] = member  # what messages name ([Note: the kind probe])
             return tx
         if found.kind & ~kind and name == "the transformation":
             name = found.name

@@ -19,7 +19,15 @@ from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count, needs_whole_tensors, stateless, with_whole_tensors
 from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
 from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
-from shardopt.core._kinds import Declared, Kind, declared, inherit_kind, kind_of, with_kind
+from shardopt.core._kinds import (
+    Declared,
+    Kind,
+    declared,
+    inherit_kind,
+    kind_of,
+    undeclared_name,
+    with_kind,
+)
 from shardopt.core._moments import bias_correction, update_moment, update_moment_per_elem_norm
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._probe import probe_kind
@@ -77,6 +85,7 @@ __all__ = [
     "tree_nonfinite_count",
     "tree_norm",
     "tree_sum_sq",
+    "undeclared_name",
     "whole_reference",
     "with_kind",
     "TORCH_COMPAT",

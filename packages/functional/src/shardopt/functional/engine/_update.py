@@ -18,6 +18,7 @@ from shardopt.core.blocks import (
     kind_of,
     needs_whole_tensors,
     probe_kind,
+    undeclared_name,
     update_whole_,
     whole_tensor_mask,
 )
@@ -41,9 +42,7 @@ REDUCING = Kind.PER_TENSOR | Kind.WHOLE_TREE
 
 def _name(tx: Transformation) -> str:
     found = declared(tx)
-    if found is not None:
-        return found.name
-    return getattr(tx.update, "__qualname__", repr(tx.update)).replace(".<locals>.update", "")
+    return undeclared_name(tx) if found is None else found.name
 
 
 def unshardable(tx: Transformation, split: Sequence[bool]) -> str | None:
