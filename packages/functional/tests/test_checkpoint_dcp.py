@@ -306,6 +306,7 @@ def failed_save(rank: int, world: int, root: str) -> tuple[str, list[str], list[
     else:
         error = "none"
     after_failure = sorted(os.listdir(root))
+    torch.distributed.barrier()  # (before rank 0's next save takes its lock)
     save_checkpoint(state, target)
     try:
         save_checkpoint(state, target)
