@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from shardopt.core._kinds import WHOLE_TENSORS, Kind, declared, inherit_kind, with_kind
 from shardopt.core._tree import PyTree, tree_map
 
 __all__ = [
@@ -88,8 +88,6 @@ def identity() -> Transformation:
         >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
         [tensor([1.])]
     """
-    from shardopt.core._kinds import Kind, with_kind
-
     return with_kind(stateless(lambda updates, params: updates), Kind.ELEMENTWISE, "identity")
 
 
@@ -100,7 +98,7 @@ def identity() -> Transformation:
 # of ``tx.update``, as flat rules are, with a name for messages), ``chain``, ``masked`` and
 # ``partition`` (and ``multi_steps``, ``inject_hyperparams``) carry the mark of any inner
 # transformation, and ``update_flat_`` refuses them.
-WHOLE_TENSORS: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()
+# WHOLE_TENSORS lives in _kinds.py, beside the kinds it is kept in step with.
 
 
 def with_whole_tensors(tx: Transformation, name: str = "the transformation") -> Transformation:
@@ -112,8 +110,6 @@ def with_whole_tensors(tx: Transformation, name: str = "the transformation") -> 
         True
     """
     WHOLE_TENSORS[tx.update] = name
-    from shardopt.core._kinds import Kind, declared, with_kind
-
     found = declared(tx)
     if found is None or Kind.SHAPED not in found.kind:
         with_kind(tx, (found.kind if found else Kind.ELEMENTWISE) | Kind.SHAPED, name)
@@ -136,8 +132,6 @@ def needs_whole_tensors(tx: Transformation) -> bool:
 
 def inherit_whole_tensors(tx: Transformation, inner: Iterable[Transformation]) -> Transformation:
     """Marks ``tx``, a combinator of ``inner``, if one of ``inner`` needs whole tensors."""
-    from shardopt.core._kinds import inherit_kind
-
     members = tuple(inner)
     name = next((WHOLE_TENSORS[t.update] for t in members if t.update in WHOLE_TENSORS), None)
     return inherit_kind(tx if name is None else with_whole_tensors(tx, name), members)

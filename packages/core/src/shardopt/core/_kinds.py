@@ -60,6 +60,8 @@ class Declared(NamedTuple):
 
 
 _KINDS: weakref.WeakKeyDictionary[Callable[..., Any], Declared] = weakref.WeakKeyDictionary()
+# The older mark of [Note: whole tensors] (_base.py), kept in step with Kind.SHAPED.
+WHOLE_TENSORS: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()
 # a combinator left undeclared -> its first undeclared member
 _UNDECLARED: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
 
@@ -96,8 +98,6 @@ def with_kind(tx: Any, kind: Kind, name: str) -> Any:
         raise TypeError(f"with_kind: expected a shardopt.core.blocks.Kind, got {kind!r}")
     _KINDS[tx.update] = Declared(kind, name)
     if Kind.SHAPED in kind:  # the older mark, which update_flat_ and the plans read
-        from shardopt.core._base import WHOLE_TENSORS
-
         WHOLE_TENSORS[tx.update] = name
     return tx
 
@@ -107,8 +107,6 @@ def declared(tx: Any) -> Declared | None:
     found = _KINDS.get(tx.update)
     if found is not None:
         return found
-    from shardopt.core._base import WHOLE_TENSORS
-
     name = WHOLE_TENSORS.get(tx.update)  # marked by with_whole_tensors only
     return None if name is None else Declared(Kind.SHAPED, name)
 
