@@ -261,7 +261,10 @@ def _failure(exc: ChildFailedError, logs: str, api: str) -> Exception:
     """The error of the rank that failed first (see [Note: CLI worlds])."""
     rank, failure = exc.get_first_failure()
     if failure.exitcode == _TIMED_OUT:
-        stuck = sorted(r for r, f in exc.failures.items() if f.exitcode == _TIMED_OUT)
+        # a rank the agent had to stop by a signal once another timed out was still running too
+        stuck = sorted(
+            r for r, f in exc.failures.items() if f.exitcode == _TIMED_OUT or f.exitcode < 0
+        )
         return TimeoutError(f"{api}: ranks {stuck} still running after the timeout")
     reports = {}
     for path in glob.glob(os.path.join(logs, "**", _REPORT), recursive=True):
