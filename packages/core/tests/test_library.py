@@ -244,12 +244,20 @@ def test_bad_input_is_refused_naming_the_api(make: Callable[[], Any], message: s
 class LocalReducer:
     """Every piece is local: the whole tensor's value is the sum (or max) over its pieces."""
 
-    def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor:
+    def combine(
+        self,
+        values: torch.Tensor,
+        ids: Sequence[int],
+        op: str,
+        parts: Sequence[int] = (),
+        trees: int = 1,
+    ) -> torch.Tensor:
         if op == "rows":  # one slot per row of every tensor, already summed over the pieces
             return values
+        keys = list(zip(ids, parts or [0] * len(ids)))
         out = values.clone()
-        for i, key in enumerate(ids):
-            same = values[[j for j, k in enumerate(ids) if k == key]]
+        for i, key in enumerate(keys):
+            same = values[[j for j, k in enumerate(keys) if k == key]]
             out[i] = same.sum() if op == "sum" else same.max()
         return out
 

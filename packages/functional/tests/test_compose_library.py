@@ -65,6 +65,15 @@ LIBRARY: dict[str, Callable[[], Transformation]] = {
     "clip_by_global_norm": lambda: so.chain(so.clip_by_global_norm(0.5), so.adam(LR)),
     "add_decayed_weights": lambda: so.chain(so.add_decayed_weights(0.1), so.scale(-LR)),
     "trace": lambda: so.chain(so.trace(0.9), so.scale_by_learning_rate(LR)),
+    "identity": lambda: so.chain(so.identity(), so.scale(-LR)),
+    "scale_by_adam": lambda: so.chain(so.scale_by_adam(), so.scale_by_learning_rate(LR)),
+    "scale_by_adagrad": lambda: so.chain(so.scale_by_adagrad(), so.scale(-LR)),
+    "scale_by_rprop": lambda: so.chain(so.scale_by_rprop(LR), so.scale(-1.0)),
+    "add_decoupled_weight_decay": lambda: so.chain(
+        so.scale_by_adam(), so.scale(-LR), so.add_decoupled_weight_decay(LR, 0.1)),
+    "step_by_learning_rate": lambda: so.chain(so.trace(0.5), so.step_by_learning_rate(LR)),
+    "add_noise": lambda: so.chain(so.add_noise(0.01, 0.55, key=3), so.scale(-LR)),
+    "schedule": lambda: so.sgd(so.warmup_cosine_decay(0.1, 2, 10)),
     # combinators
     "apply_if_finite": lambda: so.apply_if_finite(so.adam(LR), 2),
     "masked": lambda: so.chain(so.masked(so.scale(0.0), lambda ps: [p.dim() == 1 for p in ps]),

@@ -26,7 +26,7 @@ from shardopt.core._moments import (
 )
 from shardopt.core._optax_adaptive import scale_by_adam_root
 from shardopt.core._optax_sign import check_decay
-from shardopt.core._reduce import tensor_norm, tensor_sum_sq
+from shardopt.core._reduce import tensor_norms, tensor_sum_sq
 from shardopt.core._schedules import ScalarOrSchedule
 from shardopt.core._sgd import trace
 from shardopt.core._transforms import scale_by_learning_rate
@@ -72,7 +72,7 @@ def scale_by_trust_ratio(
         if params is None:
             raise ValueError("scale_by_trust_ratio: expected params, got None")
         same_structure("scale_by_trust_ratio", updates, params)
-        u_norms, p_norms = tensor_norm(updates), tensor_norm(params)  # every rank, every call
+        u_norms, p_norms = tensor_norms(updates, params)  # one collective, every rank and call
         return map_updates(rule, updates, u_norms, p_norms)
 
     return with_kind(stateless(apply), Kind.PER_TENSOR, "scale_by_trust_ratio")

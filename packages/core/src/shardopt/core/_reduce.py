@@ -37,6 +37,7 @@ __all__ = [
     "sub_scope",
     "tensor_max_abs",
     "tensor_norm",
+    "tensor_norms",
     "tensor_sum",
     "tensor_sum_sq",
     "tree_max_abs",
@@ -52,9 +53,17 @@ class Reducer(Protocol):
     (``values``, float32) and the plan tensor of each (``ids``; -1 for the whole tree), and
     returns each leaf's value over the whole tensor, or the tree's, after one collective; ``op``
     is ``"sum"`` or ``"max"``, or ``"rows"``: ``values`` holds one slot per output row of every
-    tensor in scope (``row_norm``), summed as it is."""
+    tensor in scope (``row_norm``), summed as it is. ``parts`` (one per value, default all 0)
+    keeps the values of ``trees`` trees apart in the same collective (``tensor_norms``)."""
 
-    def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor: ...
+    def combine(
+        self,
+        values: torch.Tensor,
+        ids: Sequence[int],
+        op: str,
+        parts: Sequence[int] = (),
+        trees: int = 1,
+    ) -> torch.Tensor: ...
 
 
 class Scope(NamedTuple):
@@ -220,6 +229,35 @@ def tensor_norm(tree: PyTree) -> PyTree:
     if current_scope() is None:  # one process: torch's own norm, bitwise as clip_grad_norm_
         return tree_map(lambda x: None if x is None else torch.linalg.vector_norm(x, 2.0), tree)
     return tree_map(lambda s: None if s is None else s.sqrt(), tensor_sum_sq(tree))
+
+
+def tensor_norms(*trees: PyTree) -> tuple[PyTree, ...]:
+    """Per leaf of each tree, the 2-norm of its whole tensor, as :func:`tensor_norm` gives, with
+    every tree's reductions in one collective under a scope (LAMB's ``||p||`` and ``||u||`` at
+    one point of a chain travel together).
+
+    Example:
+        >>> import torch
+        >>> tensor_norms([torch.tensor([3.0, 4.0])], [torch.tensor([1.0, 0.0])])
+        ([tensor(5.)], [tensor(1.)])
+    """
+    scope = current_scope()
+    if scope is None:
+        return tuple(tensor_norm(tree) for tree in trees)
+    all_leaves = [tree_leaves(tree) for tree in trees]
+    for tree, leaves in zip(trees, all_leaves):
+        if len(leaves) != len(scope.of_leaf):
+            whole_reference(tree)  # raises the message naming the scope
+    parts = [k for k, leaves in enumerate(all_leaves) for _ in leaves]
+    values = _stacked([None if x is None else _sum_sq(x) for ls in all_leaves for x in ls])
+    ids = [scope.ids[w] for _ in all_leaves for w in scope.of_leaf]
+    combined = scope.reducer.combine(values, ids, "sum", parts, len(trees)).sqrt()
+    out, at = [], 0
+    for tree, leaves in zip(trees, all_leaves):
+        norms = [None if x is None else combined[at + i].to(x.device) for i, x in enumerate(leaves)]
+        out.append(_unflatten_like(tree, norms))
+        at += len(leaves)
+    return tuple(out)
 
 
 def tensor_sum(tree: PyTree) -> PyTree:

@@ -25,17 +25,28 @@ class ShardReducer:
         self.device = comm_device(group, device)
         self.calls = 0
 
-    def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor:
-        """Each leaf's value over its whole tensor (id -1: the whole tree)."""
+    def combine(
+        self,
+        values: torch.Tensor,
+        ids: Sequence[int],
+        op: str,
+        parts: Sequence[int] = (),
+        trees: int = 1,
+    ) -> torch.Tensor:
+        """Each leaf's value over its whole tensor (id -1: the whole tree); ``parts`` keeps
+        the values of several trees apart (slots ``part * (n + 1) + id``)."""
         if op == "rows":  # already one slot per row of every tensor: summed as it is
             vector = values.to(self.device, torch.float32).clone()
             if dist.get_world_size(self.group) > 1:
                 all_reduce_op(vector, dist.ReduceOp.SUM, group=self.group)
             self.calls += 1
             return vector
-        slots = torch.tensor([self.n if i < 0 else i for i in ids], dtype=torch.int64)
-        slots = slots.to(self.device)
-        vector = torch.zeros(self.n + 1, dtype=torch.float32, device=self.device)
+        width = self.n + 1
+        count = trees  # the same on every rank (not read off this rank's leaves)
+        offsets = parts if parts else [0] * len(ids)
+        slots_list = [k * width + (self.n if i < 0 else i) for i, k in zip(ids, offsets)]
+        slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device)
+        vector = torch.zeros(count * width, dtype=torch.float32, device=self.device)
         values = values.to(self.device, torch.float32)
         if op == "sum":
             vector.index_add_(0, slots, values)
@@ -54,8 +65,15 @@ class ShardReducer:
 class LocalReducer:
     """The reducer of shard's local probes at init: no collective (each value is its own)."""
 
-    def combine(self, values: torch.Tensor, ids: Sequence[int], op: str) -> torch.Tensor:
-        del ids, op
+    def combine(
+        self,
+        values: torch.Tensor,
+        ids: Sequence[int],
+        op: str,
+        parts: Sequence[int] = (),
+        trees: int = 1,
+    ) -> torch.Tensor:
+        del ids, op, parts, trees
         return values
 
 
