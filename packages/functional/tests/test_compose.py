@@ -121,26 +121,33 @@ def sharded(tx: Transformation, world: World, strategy: str, stage: int) -> list
     return params
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def failures(world: World, strategy: str, stage: int) -> dict[str, str]:
+    """Every case of CASES stepped in this world (one world for the table: a world costs more
+    to start than its steps); the cases whose parameters are not within 1e-6."""
+    out = {}
+    for case in CASES:
+        ours = sharded(CASES[case](), world, strategy, stage)
+        try:
+            assert_close(ours, one_process(CASES[case](), world.world_size))
+        except AssertionError as exc:
+            out[case] = str(exc)
+    return out
+
+
 @pytest.mark.parametrize("strategy", ["flat", "greedy"])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.world(2, timeout=120)
-def test_a_composed_chain_sharded_at_w2_equals_one_process_fed_the_mean_gradient(
-    world: World, case: str, strategy: str, stage: int
+def test_every_composed_chain_sharded_at_w2_equals_one_process_fed_the_mean_gradient(
+    world: World, strategy: str, stage: int
 ) -> None:
-    ours = sharded(CASES[case](), world, strategy, stage)
-    ref = one_process(CASES[case](), world.world_size)
-    assert_close(ours, ref)
+    assert failures(world, strategy, stage) == {}
 
 
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.world(3, timeout=120)
-def test_a_composed_chain_sharded_flat_at_w3_equals_one_process_fed_the_mean_gradient(
-    world: World, case: str
+def test_every_composed_chain_sharded_flat_at_w3_equals_one_process_fed_the_mean_gradient(
+    world: World,
 ) -> None:
-    ours = sharded(CASES[case](), world, "flat", 2)
-    ref = one_process(CASES[case](), world.world_size)
-    assert_close(ours, ref)
+    assert failures(world, "flat", 2) == {}
 
 
 def undeclared_trust_ratio() -> Transformation:
