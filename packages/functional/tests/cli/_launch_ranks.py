@@ -27,6 +27,10 @@ def stuck_on_rank_1(rank: int, world: int) -> None:
         time.sleep(600)
 
 
+def stuck_on_every_rank(rank: int, world: int) -> None:
+    time.sleep(600)
+
+
 def dies_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         os._exit(3)  # no traceback, no report

@@ -6,7 +6,13 @@ import time
 
 import pytest
 import torch
-from _launch_ranks import dies_on_rank_1, fails_on_rank_1, stuck_on_rank_1, summed
+from _launch_ranks import (
+    dies_on_rank_1,
+    fails_on_rank_1,
+    stuck_on_every_rank,
+    stuck_on_rank_1,
+    summed,
+)
 
 from shardopt.cli._cli_launch import TorchrunEnv, launch, resolve_backend, torchrun_env
 
@@ -35,6 +41,11 @@ def test_launch_stops_every_rank_after_the_timeout(no_leaks):
     with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] still running"):
         launch(stuck_on_rank_1, 2, timeout=5.0)
     assert time.monotonic() - start < 60
+
+
+def test_a_timeout_names_every_rank_still_running_not_only_the_first_the_agent_saw(no_leaks):
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1, 2\] still running"):
+        launch(stuck_on_every_rank, 3, timeout=3.0)
 
 
 def test_torchrun_env_is_read_from_torchruns_variables(monkeypatch):

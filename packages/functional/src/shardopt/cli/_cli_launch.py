@@ -51,10 +51,13 @@ __all__ = [
 # each rank keeps its own: at ``timeout`` after the launch it exits with code ``_TIMED_OUT``, which
 # the agent reports like any failure and ``launch`` raises as a TimeoutError. A rank whose ``fn``
 # returned waits for its peers in a last barrier (see run_under_torchrun) and keeps a few seconds
-# more, so that the rank still in ``fn`` is the one that times out and is named. Ctrl-C in this
-# process reaches the agent, which stops the ranks.
+# more, so that the rank still in ``fn`` is the one that times out. The TimeoutError names every
+# rank whose ``fn`` had not returned (each that returned leaves a mark in its log directory), not
+# only the one the agent saw first: under a slow start that may be a rank still joining. Ctrl-C
+# in this process reaches the agent, which stops the ranks.
 _TIMED_OUT = 124
 _REPORT = "shardopt-failure.json"
+_DONE = "shardopt-done.json"  # written by a rank whose ``fn`` returned
 _REPORTED_EXIT_DELAY_S = 0.5
 _FINISHED_GRACE_S = 5.0  # a rank that finished outlives the deadline by this, in the last barrier
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torchelastic")
@@ -164,6 +167,7 @@ def _rank_main(
 
     def then_wait(rank: int, world_size: int, *args: Any) -> Any:
         result = _reported(fn, rank, world_size, *args)
+        _mark_done(rank)
         # done: what is left is the last barrier, where a stuck peer must time out first
         watchdog[0].cancel()
         watchdog[0] = _watchdog(deadline + _FINISHED_GRACE_S)
@@ -201,11 +205,30 @@ def _reported(fn: Callable[..., Any], rank: int, world_size: int, *args: Any) ->
         raise
 
 
+def _log_dir() -> str:
+    """This rank's log directory, which the elastic agent names in the rank's environment."""
+    return os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])
+
+
+def _mark_done(rank: int) -> None:
+    """Records that this rank's ``fn`` returned: a timeout then names only the ranks still in it."""
+    with open(os.path.join(_log_dir(), _DONE), "w", encoding="utf-8") as file:
+        json.dump({"rank": rank}, file)
+
+
+def _read_all(logs: str, name: str) -> list[dict[str, Any]]:
+    """Every rank's file ``name`` under ``logs``, parsed; unreadable ones are left out."""
+    found = []
+    for path in glob.glob(os.path.join(logs, "**", name), recursive=True):
+        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as file:
+            found.append(json.load(file))
+    return found
+
+
 def _report(rank: int, *, first_only: bool = False) -> None:
     """Writes the exception being handled to this rank's report (unless ``first_only`` and one
     is there), stamped with the machine's monotonic clock."""
-    where = os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])  # this rank's log dir
-    path = os.path.join(where, _REPORT)
+    path = os.path.join(_log_dir(), _REPORT)
     if first_only and os.path.exists(path):
         return
     report = {"rank": rank, "when": time.monotonic(), "traceback": traceback.format_exc()}
@@ -251,26 +274,22 @@ def launch(
             with _quiet_agent():
                 results = entry(fn, backend, timeout, deadline, threads, args)
         except ChildFailedError as exc:
-            error = _failure(exc, logs, api)
+            error = _failure(exc, logs, api, world_size)
     if error is not None:
         raise error  # outside the handler: no context that would keep the agent alive
     return [results[rank] for rank in range(world_size)]
 
 
-def _failure(exc: ChildFailedError, logs: str, api: str) -> Exception:
+def _failure(exc: ChildFailedError, logs: str, api: str, world_size: int) -> Exception:
     """The error of the rank that failed first (see [Note: CLI worlds])."""
     rank, failure = exc.get_first_failure()
     if failure.exitcode == _TIMED_OUT:
-        # a rank the agent had to stop by a signal once another timed out was still running too
-        stuck = sorted(
-            r for r, f in exc.failures.items() if f.exitcode == _TIMED_OUT or f.exitcode < 0
-        )
+        # every rank whose fn had not returned: the agent stops the others without a record,
+        # and under a slow start the first to time out may be one still joining the world
+        done = {report["rank"] for report in _read_all(logs, _DONE)}
+        stuck = [r for r in range(world_size) if r not in done]
         return TimeoutError(f"{api}: ranks {stuck} still running after the timeout")
-    reports = {}
-    for path in glob.glob(os.path.join(logs, "**", _REPORT), recursive=True):
-        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as file:
-            report = json.load(file)
-            reports[report["rank"]] = (report["when"], report["traceback"])
+    reports = {r["rank"]: (r["when"], r["traceback"]) for r in _read_all(logs, _REPORT)}
     if rank not in reports:  # died without a word: the likeliest root cause
         return RuntimeError(f"{api}: rank {rank} exited (code {failure.exitcode}) without a result")
     rank = min(reports, key=lambda r: reports[r][0])
