@@ -111,6 +111,8 @@ def reseat(layout: FlatLayout, params: Sequence[torch.Tensor]) -> None:
     """Rebinds each of ``params`` (the layout's tensors, in order) that a same-device move copied
     out of the flat buffers back to its view there, with its current value (see
     [Note: re-seated parameters])."""
+    if layout.check_views(params) is None:
+        return  # the usual case: every parameter still a view of its buffer
     for t, p in enumerate(params):
         g, _, offset = layout.plan.locate(t)
         buf, n = layout.buffers[g], p.numel()

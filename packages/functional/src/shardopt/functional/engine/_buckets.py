@@ -100,7 +100,12 @@ class BucketMap:
         out: list[torch.Tensor | None] = []
         for p in self.pieces:
             g = grads[p.tensor]
-            out.append(None if g is None else g.view(-1)[p.start : p.stop])
+            if g is None:
+                out.append(None)
+            elif p.start == 0 and p.stop == g.numel():  # a whole tensor: one view, not two
+                out.append(g.view(-1))
+            else:
+                out.append(g.view(-1)[p.start : p.stop])
         return out
 
     def bucket_shard(self, key: BucketKey) -> torch.Tensor:
