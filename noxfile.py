@@ -1,4 +1,4 @@
-"""Developer sessions: tests, lint, typecheck, demo, bench, gpu."""
+"""Developer sessions: tests, lint, typecheck, docs, demo, bench, gpu."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ nox.options.sessions = ["tests"]
 
 PACKAGES = ("packages/core", "packages/functional", "packages/testing")
 SOURCE_PATHS = tuple(f"{p}/src/shardopt" for p in PACKAGES)
-TEST_PATHS = ("README.md", *(f"{p}/tests" for p in PACKAGES), *SOURCE_PATHS)
+# The docs pages' examples are doctests too (docs/conftest.py collects docs/**/*.md).
+TEST_PATHS = ("README.md", "docs", *(f"{p}/tests" for p in PACKAGES), *SOURCE_PATHS)
 # One intra-op thread per rank: CI has 2 cores and the suite runs worlds side by side.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -101,7 +102,8 @@ def torch_range(session: nox.Session, torch: str) -> None:
     else:
         where = os.path.join(".nox", f"torch-{torch}")
         bin_dir, env = _venv(session, where, (f"torch=={torch}", "-r", "ci/requirements-test.txt"))
-    doctests = ("--doctest-modules", "README.md", *SOURCE_PATHS) if torch != TORCH_FLOOR else ()
+    doctests = ("--doctest-modules", "README.md", "docs", *SOURCE_PATHS)
+    doctests = doctests if torch != TORCH_FLOOR else ()
     args = session.posargs or ["-n", "auto", "--timeout=600", *RANGE_TESTS, *doctests]
     session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
@@ -150,6 +152,29 @@ def typecheck(session: nox.Session) -> None:
         "packages/functional/src/shardopt/cli",
         "packages/testing/src/shardopt/testing",
     )
+
+
+# [Note: docs]
+# The docs site (mkdocs.yml, docs/): mkdocs-material, with the API pages generated from the
+# docstrings by mkdocstrings, whose griffe reads the source statically, so this session's venv,
+# .nox/docs, holds the pinned docs tools (ci/requirements-docs.txt, whose pins are the stamp's
+# requirements: a new pin rebuilds it) and the three packages, but no torch. ``--strict`` makes
+# every warning fail the build: a broken link or anchor, a page missing from the nav, an API
+# name or cross-reference that does not resolve. The pages' examples run as doctests in the
+# tests session, not here.
+DOCS = os.path.join(".nox", "docs")
+DOCS_REQUIREMENTS = "ci/requirements-docs.txt"
+
+
+@nox.session(venv_backend="none")
+def docs(session: nox.Session) -> None:
+    """Builds the docs site into site/ with mkdocs build --strict ([Note: docs])."""
+    lines = pathlib.Path(DOCS_REQUIREMENTS).read_text().splitlines()
+    pins = tuple(line for line in lines if line.strip() and not line.startswith("#"))
+    bin_dir, env = _venv(session, DOCS, pins)
+    env = {**env, "NO_MKDOCS_2_WARNING": "1"}  # material's end-of-life banner
+    args = session.posargs or ["--site-dir", "site"]
+    session.run(os.path.join(bin_dir, "mkdocs"), "build", "--strict", *args, env=env, external=True)
 
 
 @nox.session(venv_backend="none")
