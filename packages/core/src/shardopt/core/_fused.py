@@ -260,8 +260,8 @@ def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
 # float16/bfloat16 it is bitwise equal on whole tensors only: CPU ``add`` with alpha is itself
 # split-dependent there (and torch's foreach SGD differs from its for-loop, see ``_scale_``).
 # Bitwise SGD is the product's claim, worth more than the fused kernel's speed: the step takes
-# torch.optim.SGD's own time, 1.15x (2**20 float32) to 1.6x (2**24) the fused one on one thread,
-# as the ops walk memory three to five times (benchmarks/bench_flat_adam.py, sgd row). CUDA keeps
+# torch.optim.SGD's own time, more than the fused one on one thread, as the ops walk memory three
+# to five times (measured: docs/performance.md; benchmarks/bench_flat_adam.py, sgd row). CUDA keeps
 # the fused kernel (one launch instead of up to five; its split-invariance is untested here):
 # compare it with torch.optim.SGD(fused=True).
 

@@ -25,11 +25,11 @@ __all__ = ["Collected", "RankProcess", "collect", "read_text", "replay_output", 
 # [Note: forkserver]
 # Each rank is a fresh process: forking the caller is unsafe once torch has started threads
 # (OpenMP pools, the TCPStore's libuv loop, CUDA). Plain "spawn" re-imports torch in every
-# rank, which costs 2-6 s a 2-rank world on a loaded 2-core machine. A forkserver is a clean
-# server process started once per caller process; with torch preloaded in it, a rank is a fork
-# of an idle interpreter that has torch imported (a 2-rank world then costs ~0.1 s).
+# rank, which costs seconds a world. A forkserver is a clean server process started once per
+# caller process; with torch preloaded in it, a rank is a fork of an idle interpreter that has
+# torch imported (a world then costs a small fraction of that; measured: docs/performance.md).
 # torch._dynamo is preloaded too: the first torch.optim optimizer a process builds imports it
-# (1.5-3 s), and nearly every world here builds one. The server runs a single thread after the
+# (seconds), and nearly every world here builds one. The server runs a single thread after the
 # preload (checked in /proc/<pid>/task, with and without OMP_NUM_THREADS) and none of these
 # imports initialises CUDA, so forking it stays safe, for NCCL ranks too. Where forkserver does
 # not exist (Windows), plain spawn is used. The server outlives the call by design, holds no

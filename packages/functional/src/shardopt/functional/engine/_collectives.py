@@ -61,10 +61,9 @@ def _reduce_scatter_fn() -> Callable[..., Any]:
 #   scratch of the bucket's size, beside the staging). Greedy buckets of unequal shards reduce
 #   with one ``reduce`` per owner instead (an all-to-all there would receive W times the largest
 #   shard). Under gloo (torch 2.13, CPU) these are the fast calls: on an 8 MiB bucket, 1 thread
-#   per rank, at W = 2 / 4, reduce-scatter takes 7.6 / 16.0 ms, all-reduce 7.1 / 14.1, a reduce
-#   per owner 4.7 / 18.2, all-to-all plus the sum 3.9 / 7.0; all-gather 4.6 / 8.0 and a
-#   broadcast per owner 2.7 / 7.1 (medians of 30, interleaved:
-#   benchmarks/bench_gloo_collectives.py).
+#   per rank, at W = 2 and 4, the all-to-all plus the sum beats the reduce-scatter, the
+#   all-reduce and a reduce per owner, and a broadcast per owner beats the all-gather (measured:
+#   docs/performance.md, benchmarks/bench_gloo_collectives.py).
 # AUTO picks EXCHANGE for CPU tensors under a gloo group and COLLECTIVE otherwise. Every rank of
 # a world resolves it alike (same backend, same device types), so the calls always match.
 

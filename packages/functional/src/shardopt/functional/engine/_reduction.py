@@ -169,7 +169,8 @@ def replica_chunks(numel: int, replicas: int) -> list[int]:
 
 def _store(rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, accumulate: bool) -> None:
     """The mean of ``rows`` (one per rank) summed in ``dtype`` in rank order, copied or added
-    into ``out``. (Row by row: ``rows.sum(0, dtype=...)`` was 20 times slower on the CPU.)"""
+    into ``out``. (Row by row: ``rows.sum(0, dtype=...)`` was slower on the CPU; measured:
+    docs/performance.md.)"""
     total = rows[0].to(dtype, copy=True)
     for row in rows[1:]:
         total.add_(row)
