@@ -9,8 +9,9 @@ import pathlib
 import pytest
 from _pytest.doctest import DoctestTextfile
 
-# The site's own build code (a griffe extension) needs the docs venv, not the test one.
-collect_ignore = ["_ext"]
+# The site's build code (a griffe extension) needs the docs venv, not the test one; gpu/ holds
+# generated GPU reports, not examples.
+collect_ignore = ["_ext", "gpu"]
 
 
 def pytest_collect_file(
