@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 
 import nox
@@ -160,15 +161,25 @@ def typecheck(session: nox.Session) -> None:
 # .nox/docs, holds the pinned docs tools (ci/requirements-docs.txt, whose pins are the stamp's
 # requirements: a new pin rebuilds it) and the three packages, but no torch. ``--strict`` makes
 # every warning fail the build: a broken link or anchor, a page missing from the nav, an API
-# name or cross-reference that does not resolve. The pages' examples run as doctests in the
-# tests session, not here.
+# name or cross-reference that does not resolve; the README, outside the site, has its links
+# checked first. The pages' examples run as doctests in the tests session, not here.
 DOCS = os.path.join(".nox", "docs")
 DOCS_REQUIREMENTS = "ci/requirements-docs.txt"
 
 
+def _missing_readme_links() -> list[str]:
+    """README.md's relative links whose file does not exist (mkdocs never reads the README, and
+    GitHub renders its links as they are)."""
+    targets = re.findall(r"\]\(([^)#\s]+)[^)]*\)", pathlib.Path("README.md").read_text())
+    return [t for t in targets if "://" not in t and not pathlib.Path(t).exists()]
+
+
 @nox.session(venv_backend="none")
 def docs(session: nox.Session) -> None:
-    """Builds the docs site into site/ with mkdocs build --strict ([Note: docs])."""
+    """Builds the docs site into site/ with mkdocs build --strict ([Note: docs]); fails first on
+    a README link to a missing file."""
+    if missing := _missing_readme_links():
+        session.error(f"docs: expected README.md's links to name existing files, got {missing}")
     lines = pathlib.Path(DOCS_REQUIREMENTS).read_text().splitlines()
     pins = tuple(line for line in lines if line.strip() and not line.startswith("#"))
     bin_dir, env = _venv(session, DOCS, pins)
