@@ -43,6 +43,7 @@ class ShardOptions:
     algorithm: Algorithm | str = Algorithm.AUTO
     comm_dtype: torch.dtype | None = None
     master_remainders: bool = False
+    compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -66,6 +67,8 @@ class ShardOptions:
                     f"reduced), got {getattr(self, name)!r}"
                 )
         self._check_remainders()
+        if self.compile not in (True, False, "auto") or type(self.compile) not in (bool, str):
+            raise ValueError(f"shard: expected compile True, False or 'auto', got {self.compile!r}")
         c = self.max_norm
         if c is not None and not (isinstance(c, (int, float)) and c > 0):
             raise ValueError(f"shard: expected max_norm None or > 0, got {c!r}")

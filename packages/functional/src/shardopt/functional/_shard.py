@@ -26,6 +26,7 @@ from shardopt.functional.engine._clip import (
     scale_grads,
 )
 from shardopt.functional.engine._collectives import ProcessGroup
+from shardopt.functional.engine._compiled import planned_update
 from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._hooks import GradReducer
 from shardopt.functional.engine._layout import FlatLayout, build_layout
@@ -79,6 +80,7 @@ def shard(
     algorithm: str = "auto",
     comm_dtype: torch.dtype | None = None,
     master_remainders: bool = False,
+    compile: bool | str = "auto",
 ) -> ShardedTransformation:
     """Partitions ``tx`` over the ranks of ``group`` as ``plan`` says (ZeRO stage 1 or 2).
 
@@ -128,6 +130,18 @@ def shard(
         master_remainders: with bfloat16 parameters and ``master_dtype=torch.float32``: keep
             each owned element's master as its bfloat16 parameter plus a 16-bit remainder,
             reconstructed exactly for each update (see [Note: master remainders]).
+        compile: ``"auto"`` (default), ``True`` or ``False``: run the rank's update (the
+            transformation's update and its apply, in place, master remainders joined and split
+            in the same region) as one ``torch.compile``d function per layout (inductor: C++
+            on the CPU, Triton on CUDA). ``"auto"`` compiles where a compiler is available and
+            this rank owns at least ``AUTO_NUMEL`` (2**20) elements, else runs eagerly;
+            ``True`` compiles whatever the size; ``False`` never. The first step compiles
+            (seconds); later steps never recompile for a learning rate or a schedule (their
+            values are tensors). Parameters are within 1 ulp of the eager path per step (of the
+            larger of the old and new value; Adam's second moment within 2), bitwise for
+            Lion; where compiling is impossible (no compiler, an
+            unsupported op) it warns once, naming why, and runs eagerly. See docs/compiled.md
+            and [Note: compiled updates].
         algorithm: ``"collective"`` (all-gather and reduce-scatter calls), ``"exchange"``
             (per-owner broadcasts, and an all-to-all summed by each owner) or ``"auto"``
             (exchange for CPU tensors under gloo, where it is faster); see
@@ -156,6 +170,7 @@ def shard(
         algorithm,
         comm_dtype,
         master_remainders,
+        compile,
     )
     groups = mesh_groups("shard", group)
 
@@ -257,6 +272,7 @@ def _init(
     labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
     with in_scope(layout.scope):
         inner, fields, _ = flatten_state(tx.init(presented), layout, probed)
+    planned_update(tx, layout, opts.compile, whole)  # [Note: compiled updates]
     reducer = None
     if opts.reduces:
         reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)

@@ -24,6 +24,7 @@ from shardopt.core.blocks import (
 )
 from shardopt.functional._state import slice_state
 from shardopt.functional.engine._buckets import BucketKey
+from shardopt.functional.engine._compiled import compiled_update
 from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
 from shardopt.functional.engine._scope import LocalReducer
@@ -223,6 +224,13 @@ def update_and_sync(
     registered (``layout.deferred``), else when they are done.
     """
     params: list[torch.Tensor] = list(layout.param_views())
+    compiled = compiled_update(layout)  # [Note: compiled updates]: one call, then the gathers
+    if compiled is not None:
+        with in_scope(compiled.scope):
+            done = compiled.run(inner, params, grads, master)
+        if done:
+            layout.sync_params(master.write_back)
+            return
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
     reducing = reduces(tx)
     sliceable = _sliceable(inner, len(params)) and not (layout.deferred or whole or reducing)
