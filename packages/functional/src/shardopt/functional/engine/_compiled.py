@@ -164,6 +164,15 @@ def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+def _compile(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` compiled for fixed shapes (the layout's never change). The first torch.compile of
+    a process imports torch's compiler stack, whose TorchScript leftovers warn of their own
+    deprecation (not the caller's concern)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.jit\.", DeprecationWarning)
+        return torch.compile(fn, dynamic=False)
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -186,7 +195,7 @@ class CompiledUpdate:
         self.scope = (
             None if scope is None else scope._replace(reducer=_OpaqueReducer(scope.reducer))
         )
-        self._fn = torch.compile(_own_code(_body(tx)), dynamic=False)
+        self._fn = _compile(_own_code(_body(tx)))
 
     @property
     def active(self) -> bool:
