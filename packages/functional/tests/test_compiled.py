@@ -50,14 +50,19 @@ def test_auto_stays_eager_below_the_threshold_and_true_compiles_any_size(one_ran
     assert (compiled_update(state.layout) is not None) is compiled
 
 
-def test_auto_compiles_a_shard_at_the_threshold(one_rank, monkeypatch):
+def test_auto_compiles_a_composed_transformation_from_the_threshold_never_a_fused_one(
+    one_rank, monkeypatch
+):
     params = params_of()
-    monkeypatch.setattr(_compiled, "AUTO_NUMEL", sum(p.numel() for p in params))
-    state = shard(adamw(1e-3), plan_partition(params, 1)).init(params)
-    assert compiled_update(state.layout) is not None  # built, not yet compiled (no step)
-    monkeypatch.setattr(_compiled, "AUTO_NUMEL", sum(p.numel() for p in params) + 1)
-    state = shard(adamw(1e-3), plan_partition(params, 1)).init(params)
-    assert compiled_update(state.layout) is None
+    numel = sum(p.numel() for p in params)
+    for threshold, tx, compiled in [
+        (numel, lion(1e-3), True),  # a chain of blocks: compiled from AUTO_NUMEL on
+        (numel + 1, lion(1e-3), False),
+        (numel, adamw(1e-3), False),  # its flat rule runs torch's fused kernel already
+    ]:
+        monkeypatch.setattr(_compiled, "AUTO_NUMEL", threshold)
+        state = shard(tx, plan_partition(params, 1)).init(params)
+        assert (compiled_update(state.layout) is not None) is compiled, (threshold, tx)
 
 
 def test_no_compiler_warns_once_naming_why_and_steps_as_eager(one_rank, monkeypatch):

@@ -133,15 +133,15 @@ def shard(
         compile: ``"auto"`` (default), ``True`` or ``False``: run the rank's update (the
             transformation's update and its apply, in place, master remainders joined and split
             in the same region) as one ``torch.compile``d function per layout (inductor: C++
-            on the CPU, Triton on CUDA). ``"auto"`` compiles where a compiler is available and
-            this rank owns at least ``AUTO_NUMEL`` (2**20) elements, else runs eagerly;
+            on the CPU, Triton on CUDA). ``"auto"`` compiles where a compiler is available, the
+            transformation has no fused flat rule (a composed chain, not built-in ``adamw``)
+            and this rank owns at least ``AUTO_NUMEL`` (2**20) elements, else runs eagerly;
             ``True`` compiles whatever the size; ``False`` never. The first step compiles
             (seconds); later steps never recompile for a learning rate or a schedule (their
-            values are tensors). Parameters are within 1 ulp of the eager path per step (of the
-            larger of the old and new value; Adam's second moment within 2), bitwise for
-            Lion; where compiling is impossible (no compiler, an
-            unsupported op) it warns once, naming why, and runs eagerly. See docs/compiled.md
-            and [Note: compiled updates].
+            values are tensors). Not bitwise: per step, parameters within 4 ulps of the eager
+            path (of the larger of the old and new value) and the state within 8; bitwise for
+            Lion. Where compiling is impossible (no compiler, an unsupported op) it warns once,
+            naming why, and runs eagerly. See docs/compiled.md and [Note: compiled updates].
         algorithm: ``"collective"`` (all-gather and reduce-scatter calls), ``"exchange"``
             (per-owner broadcasts, and an all-to-all summed by each owner) or ``"auto"``
             (exchange for CPU tensors under gloo, where it is faster); see

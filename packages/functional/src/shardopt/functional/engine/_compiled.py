@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Transformation
-from shardopt.core.blocks import Scope, tree_leaves
+from shardopt.core.blocks import Scope, flat_rule, tree_leaves
 from shardopt.functional.engine._collectives import all_reduce_op, comm_device
 from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters, RemainderMaster, StoredMaster
@@ -59,19 +59,23 @@ __all__ = [
 # each piece and writes both back, with no float32 temporary in memory. Float32 masters are
 # updated in place as in the eager path, then rounded into the parameters before each gather.
 #
-# Equality with the eager path. Inductor evaluates the same float32 operations in the same order
-# but may contract a multiply and an add into one fused multiply-add and vectorizes divisions and
-# square roots, so an element may differ from the eager path by rounding; the compiled path is
-# tested to stay within 1 ulp of the eager one per step on the chains of the tests (AdamW and Lion
-# from blocks, built-in AdamW, remainders; it is bitwise where no contraction applies, e.g. Lion's
-# sign). Over many steps such differences need not stay within 1 ulp (an optimizer is not a
-# contraction), as with any change of kernel.
+# Equality with the eager path. It is not bitwise in general, and not within 1 ulp: torch's
+# eager CPU kernels fuse a multiply and an add (``lerp``, ``addcmul``, ``add`` with ``alpha``)
+# where inductor's C++ does not (it compiles with -ffp-contract=off), and inductor multiplies by
+# the reciprocal of a constant divisor; each such operation rounds differently, and Adam's chain
+# of them compounds. Measured per step from the same state (tests/compiled), in float32 ulps of
+# the larger of the old and new eager value: parameters (or float32 masters) within 4, the state
+# within 8 (Adam's moments), for AdamW from blocks (global-norm clip, schedule), built-in AdamW
+# (against torch's fused kernel) and remainders (within 2); bitwise for Lion, whose sign and
+# products round alike. Over many steps the paths drift apart as any two kernels do.
 #
 # Choice. ``compile="auto"`` (the default) compiles where a compiler is available (dynamo on this
-# Python; a C++ compiler for the CPU, Triton for CUDA) and this rank owns at least ``AUTO_NUMEL``
-# elements: the first step compiles, which takes seconds to tens of seconds (more on a loaded
-# CPU), and below that size an eager step costs so little that the compile time would not pay
-# back within a short run. ``True`` compiles whatever the size; ``False`` never compiles.
+# Python; a C++ compiler for the CPU, Triton for CUDA), the transformation has no registered flat
+# rule (built-in adamw, sgd, ... already run torch's fused or foreach kernels, bitwise equal to
+# torch.optim's; see docs/compiled.md for the measured ratio) and this rank owns at least
+# ``AUTO_NUMEL`` elements: the first step compiles, which takes seconds to tens of seconds (more
+# on a loaded CPU), and below that size an eager step costs so little that the compile time
+# would not pay back within a short run. ``True`` compiles whatever the size; ``False`` never.
 # Compiling is impossible without torch.compile, on a Python that dynamo does not support,
 # without a C++ compiler (CPU) or Triton (CUDA), or where the first compile fails (an
 # unsupported op): ``True``, and ``"auto"`` on a large shard, then warn once, naming why, and run
@@ -307,8 +311,8 @@ def planned_update(
             )
         return None
     owned = sum(p.numel for p in layout.pieces)
-    if mode == "auto" and owned < AUTO_NUMEL:
-        return None
+    if mode == "auto" and (owned < AUTO_NUMEL or flat_rule(tx) is not None):
+        return None  # small, or torch's fused kernels already (adamw, sgd, ...)
     blocker = compile_blocker(layout.buffers[0].device) if layout.buffers else None
     if blocker is not None:
         warnings.warn(f"shard: compile: running the update eagerly: {blocker}", stacklevel=3)
