@@ -22,11 +22,6 @@ def fails_on_rank_1(rank: int, world: int) -> None:
     dist.barrier()  # rank 0 waits for a peer that never comes
 
 
-def stuck_on_rank_1(rank: int, world: int) -> None:
-    if rank == 1:
-        time.sleep(600)
-
-
 def stuck_on_every_rank(rank: int, world: int) -> None:
     time.sleep(600)
 

@@ -10,7 +10,6 @@ from _launch_ranks import (
     dies_on_rank_1,
     fails_on_rank_1,
     stuck_on_every_rank,
-    stuck_on_rank_1,
     summed,
 )
 
@@ -33,19 +32,13 @@ def test_launch_reports_a_rank_that_died_without_a_word_as_the_root_cause(no_lea
         launch(dies_on_rank_1, 2, timeout=60.0, api="bench")
 
 
-def test_launch_stops_every_rank_after_the_timeout(no_leaks):
-    # The deadline counts from the launch, rendezvous and gloo's connection included: under a
-    # loaded ``pytest -n auto`` on 2 cores, rank 0 (which returns at once) may not even have
-    # started within 5 s, and is then named too; rank 1, stuck, always is.
+def test_a_timeout_stops_every_rank_and_names_each_still_running(no_leaks):
+    # Every rank whose fn had not returned is named, not only the one the agent saw exit first
+    # (under a slow start on 2 cores, one still joining the world may time out first).
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] still running"):
-        launch(stuck_on_rank_1, 2, timeout=5.0)
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running after the timeout"):
+        launch(stuck_on_every_rank, 2, timeout=3.0)
     assert time.monotonic() - start < 60
-
-
-def test_a_timeout_names_every_rank_still_running_not_only_the_first_the_agent_saw(no_leaks):
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1, 2\] still running"):
-        launch(stuck_on_every_rank, 3, timeout=3.0)
 
 
 def test_torchrun_env_is_read_from_torchruns_variables(monkeypatch):
