@@ -7,6 +7,8 @@ eagerly through its fused flat rule):
 
 - ``adamw chain``: ``chain(clip_by_global_norm(1.0), scale_by_adam(), add_decayed_weights(1e-2),
   scale_by_learning_rate(warmup_cosine_decay(...)))``, eager and compiled;
+- ``adamw chain, clip``: the same with the elementwise ``clip(1.0)`` first (no reduction, so no
+  graph break), compiled;
 - ``lion``: ``lion(1e-4)`` (a chain of blocks), eager and compiled;
 - ``adamw compiled``: built-in ``adamw`` with ``compile=True`` (its pure path compiled);
 - bfloat16 parameters with float32 masters: ``f32 masters`` (fused AdamW, eager), against which
@@ -47,6 +49,7 @@ VARIANTS = {
     BASE: ("adamw", False, False, False),
     "adamw chain eager": ("chain", False, False, False),
     "adamw chain compiled": ("chain", True, False, False),
+    "adamw chain, clip, compiled": ("chain clip", True, False, False),
     "lion eager": ("lion", False, False, False),
     "lion compiled": ("lion", True, False, False),
     "adamw compiled": ("adamw", True, False, False),
@@ -61,6 +64,7 @@ def _tx(name: str) -> Any:
         adamw,
         add_decayed_weights,
         chain,
+        clip,
         clip_by_global_norm,
         lion,
         scale_by_adam,
@@ -68,12 +72,10 @@ def _tx(name: str) -> Any:
         warmup_cosine_decay,
     )
 
-    if name == "chain":
+    if name.startswith("chain"):
         lr = warmup_cosine_decay(1e-3, 10, 1000)
-        return chain(
-            clip_by_global_norm(1.0), scale_by_adam(), add_decayed_weights(1e-2),
-            scale_by_learning_rate(lr),
-        )  # fmt: skip
+        first = clip(1.0) if name == "chain clip" else clip_by_global_norm(1.0)
+        return chain(first, scale_by_adam(), add_decayed_weights(1e-2), scale_by_learning_rate(lr))
     return lion(1e-4) if name == "lion" else adamw(1e-3)
 
 

@@ -175,7 +175,7 @@ def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
 # slower than torch's fused kernel on the CPU. A post-grad pass puts each 0-d value read by a
 # larger tensor behind ``shardopt::compiled_scalar`` (a copy, opaque to inductor), so it is
 # computed once per step in its own small kernel and the loop reads it from memory (4x faster
-# on 4M elements; the arithmetic is unchanged).
+# on 4M elements, the same operations in the same dtypes).
 
 _SCALAR = "compiled_scalar"
 
