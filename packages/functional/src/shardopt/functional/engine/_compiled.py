@@ -222,12 +222,13 @@ def _numel(node: Any) -> int:
 
 
 def _scalar_pass() -> Any:
-    """The pass as inductor takes it: a CustomGraphPass with a cache key where torch has the
-    class (the FX-graph cache then keeps its graphs), else the function."""
+    """The pass as inductor's options take it: a CustomGraphPass, with a cache key (the FX-graph
+    cache then keeps its graphs); None where torch has no such class (torch 2.4's options refuse
+    a plain function there, and the scalars stay inlined: slower, the same values)."""
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass
     except ImportError:
-        return _hoist_scalars
+        return None
 
     class HoistScalars(CustomGraphPass):
         def __call__(self, graph: Any) -> None:
@@ -246,9 +247,11 @@ def _compile(fn: Callable[..., None]) -> Callable[..., None]:
     concern)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`torch\.jit\.", DeprecationWarning)
+        hoist = _scalar_pass()
+        if hoist is None:
+            return torch.compile(fn, dynamic=False)
         _scalar_op()
-        options = {"post_grad_custom_post_pass": _scalar_pass()}
-        return torch.compile(fn, dynamic=False, options=options)
+        return torch.compile(fn, dynamic=False, options={"post_grad_custom_post_pass": hoist})
 
 
 def _graphs() -> int:
