@@ -81,6 +81,26 @@ def _shared_dir(world: World, tmp_path: Any, name: str) -> str:
     return path
 
 
+def _every_case(
+    world: World, tmp_path: Any, cases: list[str], run: Callable[[str, str], None]
+) -> None:
+    """Runs ``run(case, root)`` for each case in one world, each in a folder of its own, and
+    fails naming every case that failed on this rank (one world per table and world size: a
+    world costs more than a case)."""
+    failed = {}
+    cwd = os.getcwd()
+    for i, case in enumerate(cases):
+        root = _shared_dir(world, tmp_path, f"case-{i}")
+        try:
+            run(case, root)
+        except Exception as exc:  # AssertionError included: the next case still runs
+            failed[case] = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.chdir(cwd)
+        dist.barrier()
+    assert not failed, f"rank {world.rank}: " + "; ".join(f"[{c}] {m}" for c, m in failed.items())
+
+
 # ---- 1. Delete only what shardopt wrote ----------------------------------------------------
 
 
@@ -118,34 +138,37 @@ def _listing(root: str) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("overwrite", [True, False])
-@pytest.mark.parametrize("case", list(FOREIGN))
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.world("n", backend="gloo", timeout=60)
 def test_a_path_shardopt_did_not_write_is_refused_on_every_rank_and_kept(
-    world: World, n: int, case: str, overwrite: bool, tmp_path: Any
+    world: World, n: int, tmp_path: Any
 ) -> None:
-    root = _shared_dir(world, tmp_path, "root")
-    make, where, says = FOREIGN[case]
-    if world.rank == 0:
-        make(root)
-    dist.barrier()
-    if where == ".":
-        os.chdir(os.path.join(root, "mine"))  # save_checkpoint(state, ".")
-        path = "."
-    else:
-        path = os.path.join(root, where)
-    before = _listing(root)
-    _, _, state = _trained(world)
-    with pytest.raises(ValueError) as info:
-        save_checkpoint(state, path, names=NAMES, overwrite=overwrite)
-    message = str(info.value)
-    assert message.startswith(f"save_checkpoint: expected '{os.path.abspath(path)}' to be"), message
-    assert says in message, message
-    assert "shardopt deletes only what it wrote" in message, message
-    dist.barrier()
-    assert _listing(root) == before
-    assert not any(".v-" in name or name.endswith(".lock") for name in os.listdir(root))
+    def run(case: str, root: str) -> None:
+        name, overwrite = case.rsplit(", overwrite=", 1)
+        make, where, says = FOREIGN[name]
+        if world.rank == 0:
+            make(root)
+        dist.barrier()
+        if where == ".":
+            os.chdir(os.path.join(root, "mine"))  # save_checkpoint(state, ".")
+            path = "."
+        else:
+            path = os.path.join(root, where)
+        before = _listing(root)
+        _, _, state = _trained(world)
+        with pytest.raises(ValueError) as info:
+            save_checkpoint(state, path, names=NAMES, overwrite=overwrite == "True")
+        message = str(info.value)
+        expected = f"save_checkpoint: expected '{os.path.abspath(path)}' to be"
+        assert message.startswith(expected), message
+        assert says in message, message
+        assert "shardopt deletes only what it wrote" in message, message
+        dist.barrier()
+        assert _listing(root) == before
+        assert not any(".v-" in name or name.endswith(".lock") for name in os.listdir(root))
+
+    cases = [f"{name}, overwrite={o}" for name in FOREIGN for o in (True, False)]
+    _every_case(world, tmp_path, cases, run)
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -516,31 +539,32 @@ def _saved(world: World, root: str) -> tuple[Any, str, str]:
     return fresh, path, os.path.realpath(path)
 
 
-@pytest.mark.parametrize("case", list(CRAFTED))
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.world("n", backend="gloo", timeout=60)
 def test_a_crafted_checkpoint_runs_no_code_and_is_refused_naming_the_entry(
-    world: World, n: int, case: str, tmp_path: Any
+    world: World, n: int, tmp_path: Any
 ) -> None:
-    root = _shared_dir(world, tmp_path, "root")
-    fresh, path, version = _saved(world, root)
-    marker = os.path.join(root, "PWNED")
-    craft, says = CRAFTED[case]
-    if world.rank == 0:
-        craft(version, marker)
-    dist.barrier()
-    snap = _snapshot(fresh)
-    model = {name: torch.zeros(s, dtype=torch.bfloat16) for name, s in zip(NAMES, SHAPES)}
-    extra = {"epoch": 0, "model": model}
-    with pytest.raises(Exception) as info:
-        load_checkpoint(fresh, path, names=NAMES, extra=extra)
-    assert info.type in (ValueError, CheckpointError), info.value
-    assert str(info.value).startswith("load_checkpoint: "), str(info.value)
-    assert says in str(info.value), str(info.value)
-    assert not os.path.exists(marker)
-    assert _unchanged(fresh, snap)
-    assert extra["epoch"] == 0
-    assert all(not t.any() for t in model.values())
+    def run(case: str, root: str) -> None:
+        fresh, path, version = _saved(world, root)
+        marker = os.path.join(root, "PWNED")
+        craft, says = CRAFTED[case]
+        if world.rank == 0:
+            craft(version, marker)
+        dist.barrier()
+        snap = _snapshot(fresh)
+        model = {name: torch.zeros(s, dtype=torch.bfloat16) for name, s in zip(NAMES, SHAPES)}
+        extra = {"epoch": 0, "model": model}
+        with pytest.raises(Exception) as info:
+            load_checkpoint(fresh, path, names=NAMES, extra=extra)
+        assert info.type in (ValueError, CheckpointError), info.value
+        assert str(info.value).startswith("load_checkpoint: "), str(info.value)
+        assert says in str(info.value), str(info.value)
+        assert not os.path.exists(marker)
+        assert _unchanged(fresh, snap)
+        assert extra["epoch"] == 0
+        assert all(not t.any() for t in model.values())
+
+    _every_case(world, tmp_path, list(CRAFTED), run)
 
 
 # ---- 4. A load loads everything or changes nothing ----------------------------------------
@@ -617,29 +641,30 @@ DAMAGED: dict[str, tuple[Callable[[str], None], type, str]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(DAMAGED))
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.world("n", backend="gloo", timeout=60)
 def test_a_damaged_checkpoint_raises_and_leaves_the_state_as_it_was(
-    world: World, n: int, case: str, tmp_path: Any
+    world: World, n: int, tmp_path: Any
 ) -> None:
-    root = _shared_dir(world, tmp_path, "root")
-    fresh, path, version = _saved(world, root)
-    damage, kind, says = DAMAGED[case]
-    if world.rank == 0:
-        damage(version)
-    dist.barrier()
-    snap = _snapshot(fresh)
-    try:
-        load_checkpoint(fresh, path, names=NAMES)
-    except Exception as exc:  # CheckpointError is an Exception (DCP's own is not)
-        error: Exception | None = exc
-    else:
-        error = None
-    assert type(error) is kind, repr(error)
-    assert str(error).startswith("load_checkpoint: "), str(error)
-    assert says in str(error), str(error)
-    assert _unchanged(fresh, snap)
+    def run(case: str, root: str) -> None:
+        fresh, path, version = _saved(world, root)
+        damage, kind, says = DAMAGED[case]
+        if world.rank == 0:
+            damage(version)
+        dist.barrier()
+        snap = _snapshot(fresh)
+        try:
+            load_checkpoint(fresh, path, names=NAMES)
+        except Exception as exc:  # CheckpointError is an Exception (DCP's own is not)
+            error: Exception | None = exc
+        else:
+            error = None
+        assert type(error) is kind, repr(error)
+        assert str(error).startswith("load_checkpoint: "), str(error)
+        assert says in str(error), str(error)
+        assert _unchanged(fresh, snap)
+
+    _every_case(world, tmp_path, list(DAMAGED), run)
 
 
 def _read_as(mode: str) -> None:
@@ -649,43 +674,47 @@ def _read_as(mode: str) -> None:
     _safe_load.WHOLE_BYTES = 1 << 62 if mode == "in memory" else 0
 
 
-@pytest.mark.parametrize("mode", ["in memory", "as a file slice"])
+READS = ["in memory", "as a file slice"]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.world("n", backend="gloo", timeout=60)
 def test_a_truncated_file_read_either_way_raises_and_leaves_the_state(
-    world: World, n: int, mode: str, tmp_path: Any
+    world: World, n: int, tmp_path: Any
 ) -> None:
-    _read_as(mode)
-    root = _shared_dir(world, tmp_path, "root")
-    fresh, path, version = _saved(world, root)
-    if world.rank == 0:
-        _truncated(version)
-    dist.barrier()
-    snap = _snapshot(fresh)
-    with pytest.raises(CheckpointError, match=r"\(a truncated file\)"):
-        load_checkpoint(fresh, path, names=NAMES)
-    assert _unchanged(fresh, snap)
+    def run(mode: str, root: str) -> None:
+        _read_as(mode)
+        fresh, path, version = _saved(world, root)
+        if world.rank == 0:
+            _truncated(version)
+        dist.barrier()
+        snap = _snapshot(fresh)
+        with pytest.raises(CheckpointError, match=r"\(a truncated file\)"):
+            load_checkpoint(fresh, path, names=NAMES)
+        assert _unchanged(fresh, snap)
+
+    _every_case(world, tmp_path, READS, run)
 
 
-@pytest.mark.parametrize("mode", ["in memory", "as a file slice"])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.world("n", backend="gloo", timeout=60)
-def test_a_good_checkpoint_still_loads_every_entry(
-    world: World, n: int, mode: str, tmp_path: Any
-) -> None:
+def test_a_good_checkpoint_still_loads_every_entry(world: World, n: int, tmp_path: Any) -> None:
     """The control of the cases above: the undamaged save loads, changing the state."""
-    _read_as(mode)
-    root = _shared_dir(world, tmp_path, "root")
-    fresh, path, _ = _saved(world, root)
-    snap = _snapshot(fresh)
-    model = {name: torch.zeros(s, dtype=torch.bfloat16) for name, s in zip(NAMES, SHAPES)}
-    extra = {"epoch": 0, "model": model}
-    load_checkpoint(fresh, path, names=NAMES, extra=extra)
-    assert not _unchanged(fresh, snap)
-    _, params, saved = _trained(world)
-    assert [t.tolist() for t in _tensors(fresh)] == [t.tolist() for t in _tensors(saved)]
-    assert extra["epoch"] == 3
-    assert all(torch.equal(model[name], p) for name, p in zip(NAMES, params))
+
+    def run(mode: str, root: str) -> None:
+        _read_as(mode)
+        fresh, path, _ = _saved(world, root)
+        snap = _snapshot(fresh)
+        model = {name: torch.zeros(s, dtype=torch.bfloat16) for name, s in zip(NAMES, SHAPES)}
+        extra = {"epoch": 0, "model": model}
+        load_checkpoint(fresh, path, names=NAMES, extra=extra)
+        assert not _unchanged(fresh, snap)
+        _, params, saved = _trained(world)
+        assert [t.tolist() for t in _tensors(fresh)] == [t.tolist() for t in _tensors(saved)]
+        assert extra["epoch"] == 3
+        assert all(torch.equal(model[name], p) for name, p in zip(NAMES, params))
+
+    _every_case(world, tmp_path, READS, run)
 
 
 # ---- 5. Failures reach users as an Exception naming the API ------------------------------
