@@ -251,9 +251,14 @@ class LocalReducer:
         op: str,
         parts: Sequence[int] = (),
         trees: int = 1,
+        total: bool = False,
     ) -> torch.Tensor:
         if op == "rows":  # one slot per row of every tensor, already summed over the pieces
             return values
+        if total:  # every piece is here: the tree's value is over all of them
+            if values.numel() == 0:
+                return values.new_zeros(1)
+            return (values.sum() if op == "sum" else values.max()).reshape(1)
         keys = list(zip(ids, parts or [0] * len(ids)))
         out = values.clone()
         for i, key in enumerate(keys):

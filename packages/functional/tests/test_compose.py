@@ -3,6 +3,7 @@ refused at init on every rank (core's [Note: kinds] and [Note: reductions across
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -230,3 +231,70 @@ def test_a_reducing_chain_on_a_hybrid_mesh_equals_one_process_fed_the_mean_gradi
     for step in range(STEPS):
         state = sharding.step(params, grads_of(step, world.rank), state)
     assert_close(params, one_process(CASES[case](), world.world_size))
+
+
+# Tensor parallelism: (dp=2, tp=2), with three of the five tensors DTensors split over "tp" (by
+# rows, by columns, by rows) and two replicated; the reductions count a split tensor's parts over
+# "tp" too, and a replicated one once ([Note: reductions over tensor-parallel tensors]).
+TP_PLACEMENTS = ["rows", "replicate", "columns", "replicate", "rows"]
+
+
+def _tensor_parallel(tensors: list[torch.Tensor], tp: Any) -> list[Any]:
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
+    kinds = {"rows": Shard(0), "columns": Shard(1), "replicate": Replicate()}
+    with warnings.catch_warnings():  # torch 2.4, of its random ops, which we do not use
+        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)
+        return [distribute_tensor(t, tp, [kinds[k]]) for t, k in zip(tensors, TP_PLACEMENTS)]
+
+
+def tensor_parallel_failures(world: World, strategy: str, stage: int) -> dict[str, str]:
+    """Every case of CASES over (dp=2, tp=2) DTensors, against one process fed the mean of the
+    two data-parallel ranks' gradients; the cases whose full parameters are not within 1e-6."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    out = {}
+    for case in CASES:
+        params = _tensor_parallel(params_(), mesh["tp"])
+        assert sum(p.to_local().shape != p.shape for p in params) == 3
+        plan = plan_partition(params, 2, strategy=strategy, bucket_numel=16)
+        sharding = shard(CASES[case](), plan, group=mesh["dp"], stage=stage)
+        state = sharding.init(params)
+        for step in range(STEPS):
+            grads = _tensor_parallel(grads_of(step, dp), mesh["tp"])
+            state = sharding.step(params, grads, state)
+        try:
+            assert_close([p.full_tensor() for p in params], one_process(CASES[case](), 2))
+        except AssertionError as exc:
+            out[case] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize(("strategy", "stage"), [("flat", 2), ("greedy", 1)])
+@pytest.mark.world(4, timeout=180)
+def test_every_composed_chain_over_tensor_parallel_dtensors_equals_one_process(
+    world: World, strategy: str, stage: int
+) -> None:
+    assert tensor_parallel_failures(world, strategy, stage) == {}
+
+
+@pytest.mark.world(4, timeout=120)
+def test_row_norms_of_tensors_split_by_tensor_parallelism_are_refused_on_every_rank(
+    world: World,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardopt.core import adaptive_grad_clip
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    params = _tensor_parallel(params_(), mesh["tp"])
+    plan = plan_partition(params, 2, strategy="flat", bucket_numel=16)
+    sharding = shard(chain(adaptive_grad_clip(0.1), momentum(0.1)), plan, group=mesh["dp"])
+    state = sharding.init(params)
+    grads = _tensor_parallel(grads_of(0, mesh.get_local_rank("dp")), mesh["tp"])
+    with pytest.raises(ValueError, match=r"got row sums \(row_norm\), whose rows tensor"):
+        sharding.step(params, grads, state)

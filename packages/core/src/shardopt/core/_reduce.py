@@ -54,7 +54,10 @@ class Reducer(Protocol):
     returns each leaf's value over the whole tensor, or the tree's, after one collective; ``op``
     is ``"sum"`` or ``"max"``, or ``"rows"``: ``values`` holds one slot per output row of every
     tensor in scope (``row_norm``), summed as it is. ``parts`` (one per value, default all 0)
-    keeps the values of ``trees`` trees apart in the same collective (``tensor_norms``)."""
+    keeps the values of ``trees`` trees apart in the same collective (``tensor_norms``). With
+    ``total``, the leaves are pieces of the tree's tensors and the answer is one value: ``op``
+    over every tensor's whole value (``tree_sum_sq``, ``tree_max_abs``), so that an engine whose
+    tensors are themselves split (tensor parallelism) can count each tensor once."""
 
     def combine(
         self,
@@ -63,6 +66,7 @@ class Reducer(Protocol):
         op: str,
         parts: Sequence[int] = (),
         trees: int = 1,
+        total: bool = False,
     ) -> torch.Tensor: ...
 
 
@@ -191,13 +195,20 @@ def _unflatten_like(tree: PyTree, leaves: list[Any]) -> PyTree:
 
 
 def _over_tree(tree: PyTree, partial: Any, op: str) -> torch.Tensor:
-    """``partial`` of every non-None leaf, combined by ``op`` over the whole tree (0-d)."""
-    parts = _stacked([partial(x) for x in tree_leaves(tree) if x is not None])
+    """``partial`` of every non-None leaf, combined by ``op`` over the whole tree (0-d). In a
+    scope whose pieces the leaves are, each leaf's partial goes by its tensor (``total``);
+    a tree of other leaves goes as this rank's one partial (id -1)."""
+    leaves = tree_leaves(tree)
+    scope = current_scope()
+    if scope is not None and len(leaves) == len(scope.of_leaf):
+        values = _stacked([None if x is None else partial(x) for x in leaves])
+        ids = [scope.ids[w] for w in scope.of_leaf]
+        return scope.reducer.combine(values, ids, op, total=True)[0]
+    parts = _stacked([partial(x) for x in leaves if x is not None])
     if parts.numel() == 0:
         local = parts.new_zeros(())
     else:
         local = parts.sum() if op == "sum" else parts.max()
-    scope = current_scope()
     if scope is None:
         return local
     return scope.reducer.combine(local.reshape(1), [-1], op)[0]

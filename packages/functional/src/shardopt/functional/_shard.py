@@ -180,7 +180,10 @@ def shard(
         whole = meta_tree(params)  # masks and labels are resolved on these ([Note: kinds])
         state = _init(tx, plan, opts, groups, local_tensors(params), split, whole)
         leaves = tree_leaves(params)
-        state.layout.set_places(tensor_parallel(leaves, state.layout), global_places(leaves))
+        tp = tensor_parallel(leaves, state.layout)
+        state.layout.set_places(tp, global_places(leaves))
+        if tp is not None:  # [Note: reductions over tensor-parallel tensors]
+            state.layout.scope.reducer.set_tensor_parallel(tp.group, split)
         return state
 
     @fails_together("shard.step")
@@ -214,7 +217,7 @@ def _agreed_fields(
     whole = needs_whole_tensors(tx)  # see [Note: whole matrices]
     probed, computes = {}, ""
     try:  # the transformation's own errors ride through the agreement too
-        error = error or unshardable(tx, split)
+        error = error or unshardable(tx)
         error = error or (cut_for_whole(tx, plan, split, tree) if whole else None)
         dtypes = _piece_dtypes(plan, opts)
         with in_scope(probe_scope(plan, tree)):  # masks and labels see the params' tree

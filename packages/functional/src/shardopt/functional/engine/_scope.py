@@ -14,16 +14,36 @@ from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op,
 
 __all__ = ["LocalReducer", "ShardReducer", "meta_tree", "shard_scope"]
 
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+# [Note: reductions over tensor-parallel tensors]
+# A DTensor parameter sharded by tensor parallelism ([Note: DTensor parameters]) is planned by its
+# local tensor, so the pieces of the shard group cover only this tensor-parallel rank's part of
+# it. Its per-tensor slot is therefore summed (or maxed) over the tensor-parallel group as well,
+# in a second all-reduce of the slots of split tensors alone; a replicated tensor is whole on
+# every tensor-parallel rank and is not counted again. A tree's value is taken over the per-tensor
+# slots after both (``total``), so each tensor counts once. What cannot be told apart is refused,
+# on every rank alike (all run the same update): a tree whose leaves are not the pieces in scope
+# (its partial comes as one number), and row sums (``row_norm``), whose rows a split cuts.
+
 
 class ShardReducer:
     """Sums or maxes per-tensor partials over the ranks of ``group`` (the shard group: replicas of
-    a hybrid mesh hold the same pieces and are not counted twice). One all-reduce per call, of
-    one float32 per plan tensor plus one for the whole tree; ``calls`` counts them."""
+    a hybrid mesh hold the same pieces and are not counted twice), and over the tensor-parallel
+    group for tensors it splits ([Note: reductions over tensor-parallel tensors]). One
+    all-reduce per call (two with split tensors), of one float32 per plan tensor plus one for the
+    whole tree; ``calls`` counts the calls."""
 
     def __init__(self, group: ProcessGroup, n_tensors: int, device: torch.device | None) -> None:
         self.group, self.n = group, n_tensors
         self.device = comm_device(group, device)
         self.calls = 0
+        self.split: tuple[ProcessGroup, tuple[bool, ...]] | None = None
+
+    def set_tensor_parallel(self, group: ProcessGroup, split: Sequence[bool]) -> None:
+        """Tensors ``split`` (one flag per plan tensor) are parts over tensor-parallel ``group``."""
+        self.split = (group, tuple(split)) if any(split) else None
 
     def combine(
         self,
@@ -32,38 +52,61 @@ class ShardReducer:
         op: str,
         parts: Sequence[int] = (),
         trees: int = 1,
+        total: bool = False,
     ) -> torch.Tensor:
         """Each leaf's value over its whole tensor (id -1: the whole tree); ``parts`` keeps
-        the values of several trees apart (slots ``part * (n + 1) + id``)."""
+        the values of several trees apart (slots ``part * (n + 1) + id``); with ``total``, one
+        value: ``op`` over every tensor of the tree."""
+        if op not in _OPS and op != "rows":
+            raise ValueError(f"shard: expected a reduction 'sum', 'max' or 'rows', got {op!r}")
+        self.calls += 1
         if op == "rows":  # already one slot per row of every tensor: summed as it is
+            self._refuse_split("row sums (row_norm), whose rows tensor parallelism cuts")
             vector = values.to(self.device, torch.float32).clone()
-            if dist.get_world_size(self.group) > 1:
-                all_reduce_op(vector, dist.ReduceOp.SUM, group=self.group)
-            self.calls += 1
-            return vector
+            return self._all_reduce(vector, "sum", self.group)
         width = self.n + 1
-        count = trees  # the same on every rank (not read off this rank's leaves)
         offsets = parts if parts else [0] * len(ids)
         slots_list = [k * width + (self.n if i < 0 else i) for i, k in zip(ids, offsets)]
+        if any(i < 0 for i in ids):
+            self._refuse_split("a reduction over a tree whose leaves are not the pieces updated")
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device)
-        vector = torch.zeros(count * width, dtype=torch.float32, device=self.device)
+        vector = torch.zeros(trees * width, dtype=torch.float32, device=self.device)
         values = values.to(self.device, torch.float32)
         if op == "sum":
             vector.index_add_(0, slots, values)
-            reduce_op = dist.ReduceOp.SUM
-        elif op == "max":
-            vector.scatter_reduce_(0, slots, values, reduce="amax", include_self=True)
-            reduce_op = dist.ReduceOp.MAX
         else:
-            raise ValueError(f"shard: expected a reduction 'sum' or 'max', got {op!r}")
-        if dist.get_world_size(self.group) > 1:
-            all_reduce_op(vector, reduce_op, group=self.group)
-        self.calls += 1
+            vector.scatter_reduce_(0, slots, values, reduce="amax", include_self=True)
+        vector = self._over_tensor_parallel(self._all_reduce(vector, op, self.group), op, trees)
+        if total:
+            return (vector.sum() if op == "sum" else vector.max()).reshape(1)
         return vector[slots]
+
+    def _all_reduce(self, vector: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        if dist.get_world_size(group) > 1:
+            all_reduce_op(vector, _OPS[op], group=group)
+        return vector
+
+    def _over_tensor_parallel(self, vector: torch.Tensor, op: str, trees: int) -> torch.Tensor:
+        """``vector`` with the slots of split tensors reduced over the tensor-parallel group."""
+        if self.split is None:
+            return vector
+        group, split = self.split
+        mask = torch.tensor([*split, False] * trees, device=self.device)
+        fill = 0.0 if op == "sum" else float("-inf")
+        across = self._all_reduce(torch.where(mask, vector, fill), op, group)
+        return torch.where(mask, across, vector)
+
+    def _refuse_split(self, what: str) -> None:
+        if self.split is not None:
+            raise ValueError(
+                f"shard: expected reductions that tensor-parallel parts can be counted in, got "
+                f"{what}, with tensors split by tensor parallelism (DTensor Shard placements)"
+            )
 
 
 class LocalReducer:
-    """The reducer of shard's local probes at init: no collective (each value is its own)."""
+    """The reducer of shard's local probes at init: no collective (each value is its own; a
+    tree's, this rank's)."""
 
     def combine(
         self,
@@ -72,9 +115,14 @@ class LocalReducer:
         op: str,
         parts: Sequence[int] = (),
         trees: int = 1,
+        total: bool = False,
     ) -> torch.Tensor:
-        del ids, op, parts, trees
-        return values
+        del ids, parts, trees
+        if not total:
+            return values
+        if values.numel() == 0:
+            return values.new_zeros(1)
+        return (values.sum() if op == "sum" else values.max()).reshape(1)
 
 
 def meta_tree(params: PyTree) -> PyTree:

@@ -46,10 +46,11 @@ def _name(tx: Transformation) -> str:
     return undeclared_name(tx) if found is None else found.name
 
 
-def unshardable(tx: Transformation, split: Sequence[bool]) -> str | None:
-    """Why ``tx`` cannot be sharded here, or None: an undeclared transformation that the probe
-    finds not elementwise ([Note: the kind probe] in core), or a reducing one over tensors split
-    by tensor parallelism (their reductions would miss the other tensor-parallel ranks)."""
+def unshardable(tx: Transformation) -> str | None:
+    """Why ``tx`` cannot be sharded, or None: an undeclared transformation that the probe finds
+    not elementwise ([Note: the kind probe] in core). A reducing one over tensors split by tensor
+    parallelism is counted over their group too ([Note: reductions over tensor-parallel tensors]
+    in _scope.py)."""
     kind = kind_of(tx)
     if kind is None:
         kind, what = probe_kind(tx)
@@ -61,11 +62,6 @@ def unshardable(tx: Transformation, split: Sequence[bool]) -> str | None:
                 "name) and take its reductions through the reduction blocks (tensor_norm, "
                 "tree_sum_sq, ...), which shard makes whole across ranks"
             )
-    if kind & REDUCING and any(split):
-        return (
-            f"parameters whole on every tensor-parallel rank for {_name(tx)}, which reduces over "
-            "whole tensors or the tree, got DTensors with Shard placements (not supported yet)"
-        )
     return None
 
 
