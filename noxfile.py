@@ -1,4 +1,5 @@
-"""Developer sessions: tests, lint, typecheck, docs, demo, bench, gpu."""
+"""Developer sessions: tests, compiled, integration, torch_range, lint, typecheck, docs, demo,
+bench, gpu."""
 
 from __future__ import annotations
 
@@ -130,6 +131,21 @@ def integration(session: nox.Session) -> None:
     env = {**env, "SHARDOPT_INTEGRATION": "1"}
     options = ("-n", "auto", "--timeout=600", "-p", "no:cacheprovider")
     args = session.posargs or [*options, *INTEGRATION_TESTS]
+    session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
+
+
+# The tests that torch.compile an update run in this session only, in .nox/shared ([Note:
+# compiled tests] in packages/functional/tests/compiled/conftest.py).
+COMPILED_TESTS = ("packages/functional/tests/compiled",)
+
+
+@nox.session(venv_backend="none")
+def compiled(session: nox.Session) -> None:
+    """The tests that torch.compile an update (SHARDOPT_COMPILED=1 collects them)."""
+    bin_dir, env = _shared_env(session)
+    env = {**env, "SHARDOPT_COMPILED": "1"}
+    options = ("-n", "2", "--timeout=900", "-p", "no:cacheprovider")
+    args = session.posargs or [*options, *COMPILED_TESTS]
     session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
 

@@ -87,22 +87,33 @@ class Scope(NamedTuple):
     starts: tuple[int, ...] | None = None  # each leaf's first element in its whole tensor
 
 
+# [Note: the scope under torch.compile]
+# The active scope is a context variable (each thread and task its own), which dynamo cannot
+# read: every block that asked for it would break the graph there, and a compiled update would
+# come out in pieces. While dynamo traces, the blocks read the innermost scope entered instead,
+# a plain global it can guard on; the compiled update runs under one scope per layout, made
+# once, so the guard holds from step to step.
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("shardopt_scope")
+_TRACED: list[Scope | None] = [None]
 
 
 def current_scope() -> Scope | None:
     """The active :class:`Scope`, or None in one process."""
+    if torch.compiler.is_compiling():  # see [Note: the scope under torch.compile]
+        return _TRACED[0]
     return _SCOPE.get(None)
 
 
 @contextlib.contextmanager
 def in_scope(scope: Scope | None) -> Iterator[None]:
     """Runs the body with ``scope`` active (None: as in one process)."""
-    token = _SCOPE.set(scope)
+    token, outer = _SCOPE.set(scope), _TRACED[0]
+    _TRACED[0] = scope
     try:
         yield
     finally:
         _SCOPE.reset(token)
+        _TRACED[0] = outer
 
 
 def whole_reference(reference: PyTree) -> tuple[PyTree, tuple[int, ...]] | None:

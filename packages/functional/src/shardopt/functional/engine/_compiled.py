@@ -43,10 +43,11 @@ __all__ = [
 # fuses every elementwise transformation of a chain into one pass over memory per piece.
 #
 # Reductions. A per-tensor or whole-tree transformation (LAMB's trust ratio, a global-norm clip)
-# calls the reduction blocks, whose collective cannot be traced: the scope's reducer is wrapped
-# in one whose ``combine`` is ``torch.compiler.disable``d, so the graph breaks there (and at the
-# scope's context variable, which dynamo cannot read) and the local parts before and after
-# each reduction are compiled. The results are those of the eager blocks.
+# calls the reduction blocks, and they are traced too: the blocks read the scope from a global
+# while dynamo traces (core's [Note: the scope under torch.compile]), and the shard reducer's
+# all-reduce is a functional collective in the graph (``ShardReducer``), so a chain with a
+# global-norm clip is one graph, the reduction's small all-reduce inside it. The reducer counts
+# its calls in eager steps only (a count a graph would guard on would recompile every step).
 #
 # Hyperparameters. A float hyperparameter is a constant of the graph; it never changes for a
 # given ``tx``. A schedule reads the state's step counts (tensors), and ``inject_hyperparams``
@@ -113,17 +114,6 @@ def compile_blocker(device: torch.device) -> str | None:
     else:
         return f"inductor has no code generation for device {device.type!r} here"
     return None
-
-
-class _OpaqueReducer:
-    """The scope's reducer behind a graph break: dynamo runs ``combine`` as it is."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    @torch.compiler.disable
-    def combine(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.inner.combine(*args, **kwargs)
 
 
 def _join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -273,9 +263,7 @@ class CompiledUpdate:
         self.compile_seconds: float | None = None
         self.recompiles = 0
         self.fallback: str | None = None
-        self.scope = (
-            None if scope is None else scope._replace(reducer=_OpaqueReducer(scope.reducer))
-        )
+        self.scope = scope
         self._fn = _compile(_own_code(_body(tx)))
 
     @property

@@ -59,7 +59,8 @@ class ShardReducer:
         value: ``op`` over every tensor of the tree."""
         if op not in _OPS and op != "rows":
             raise ValueError(f"shard: expected a reduction 'sum', 'max' or 'rows', got {op!r}")
-        self.calls += 1
+        if not torch.compiler.is_compiling():  # a count a graph would guard on: eager only
+            self.calls += 1
         if op == "rows":  # already one slot per row of every tensor: summed as it is
             self._refuse_split("row sums (row_norm), whose rows tensor parallelism cuts")
             vector = values.to(self.device, torch.float32).clone()
@@ -82,8 +83,13 @@ class ShardReducer:
         return vector[slots]
 
     def _all_reduce(self, vector: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
-        if dist.get_world_size(group) > 1:
-            all_reduce_op(vector, _OPS[op], group=group)
+        if dist.get_world_size(group) <= 1:
+            return vector
+        if torch.compiler.is_compiling():  # in a compiled update's graph: [Note: compiled updates]
+            from torch.distributed import _functional_collectives as funcol
+
+            return funcol.wait_tensor(funcol.all_reduce(vector, op, group))
+        all_reduce_op(vector, _OPS[op], group=group)
         return vector
 
     def _over_tensor_parallel(self, vector: torch.Tensor, op: str, trees: int) -> torch.Tensor:
