@@ -135,3 +135,34 @@ def test_a_failed_first_compile_restores_warns_once_and_every_rank_steps_as_eage
         assert out["warnings"] == [EAGER + f"the first compile failed ({expected})"], rank
         assert out["equal"], f"rank {rank}: the parameters differ from the eager path's"
         assert out["fallback"] is not None
+
+
+def decided_with_a_compiler_on_rank_0_only(rank: int, world: int) -> dict[str, Any]:
+    import warnings
+
+    _compiled.compile_blocker = lambda device: None if rank == 0 else "no C++ compiler (test)"
+    _compiled.AUTO_NUMEL = 10  # the greedy plan gives rank 0 the 15-element matrix, rank 1 4
+    params = params_of()
+    plan = plan_partition(params, world, strategy="greedy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = shard(lion(1e-2), plan).init(params)
+        state = shard(lion(1e-2), plan).step(params, params_of(1), state)
+    return {
+        "owned": plan.numel_per_rank()[rank],
+        "warnings": [str(w.message) for w in caught],
+        "compiled": compiled_update(state.layout) is not None,
+    }
+
+
+def test_every_rank_decides_alike_by_the_plans_largest_shard_and_every_ranks_compiler(
+    run_world,
+):
+    """Rank 1 owns fewer elements than AUTO_NUMEL and has no compiler: "auto" decides by the
+    largest shard on both ranks, agrees that one lacks a compiler, and both run eagerly (a rank
+    compiling alone would wait alone in its first step's agreement)."""
+    out = run_world(decided_with_a_compiler_on_rank_0_only, 2)
+    assert [o["owned"] for o in out] == [15, 4]
+    assert out[0]["warnings"] == [EAGER + "another rank cannot compile"]
+    assert out[1]["warnings"] == [EAGER + "no C++ compiler (test)"]
+    assert [o["compiled"] for o in out] == [False, False]

@@ -135,7 +135,8 @@ def shard(
             in the same region) as one ``torch.compile``d function per layout (inductor: C++
             on the CPU, Triton on CUDA). ``"auto"`` compiles where a compiler is available, the
             transformation has no fused flat rule (a composed chain, not built-in ``adamw``)
-            and this rank owns at least ``AUTO_NUMEL`` (2**20) elements, else runs eagerly;
+            and the plan's largest shard holds at least ``AUTO_NUMEL`` (2**20) elements (the
+            same answer on every rank), else runs eagerly;
             ``True`` compiles whatever the size; ``False`` never. The first step compiles
             (seconds); later steps never recompile for a learning rate or a schedule (their
             values are tensors). Not bitwise: per step, parameters within 4 ulps of the eager

@@ -73,8 +73,10 @@ __all__ = [
 # Choice. ``compile="auto"`` (the default) compiles where a compiler is available (dynamo on this
 # Python; a C++ compiler for the CPU, Triton for CUDA), the transformation has no registered flat
 # rule (built-in adamw, sgd, ... already run torch's fused or foreach kernels, bitwise equal to
-# torch.optim's; see docs/compiled.md for the measured ratio) and this rank owns at least
-# ``AUTO_NUMEL`` elements: the first step compiles, which takes seconds to tens of seconds (more
+# torch.optim's; see docs/compiled.md for the measured ratio) and the plan's largest shard holds
+# at least ``AUTO_NUMEL`` elements (every rank decides alike, the compiler's presence agreed by
+# one small all-reduce at init: a rank compiling alone would wait alone in the first step's
+# agreement): the first step compiles, which takes seconds to tens of seconds (more
 # on a loaded CPU), and below that size an eager step costs so little that the compile time
 # would not pay back within a short run. ``True`` compiles whatever the size; ``False`` never.
 # Compiling is impossible without torch.compile, on a Python that dynamo does not support,
@@ -87,7 +89,7 @@ __all__ = [
 # TORCHINDUCTOR_CACHE_DIR) keeps the compiled kernels across processes, so a second run with the
 # same layout compiles faster; dynamo still traces every run.
 
-AUTO_NUMEL = 1 << 20  # elements of a rank's shard from which "auto" compiles
+AUTO_NUMEL = 1 << 20  # elements of the plan's largest shard from which "auto" compiles
 _IDS = itertools.count()
 _UPDATES: weakref.WeakKeyDictionary[FlatLayout, CompiledUpdate] = weakref.WeakKeyDictionary()
 
@@ -328,7 +330,7 @@ class CompiledUpdate:
             error = exc
         self.compile_seconds = time.perf_counter() - start
         self.calls = 1
-        if self._agreed_failure(error is not None):
+        if _agreed(error is not None, self.layout):
             with torch.no_grad():
                 for t, s in zip(mutable, saved):
                     t.copy_(s)
@@ -337,20 +339,21 @@ class CompiledUpdate:
             return False
         return True
 
-    def _agreed_failure(self, failed: bool) -> bool:
-        group = self.layout.group
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return failed
-        flag = torch.tensor(
-            [float(failed)], device=comm_device(group, self.layout.buffers[0].device)
-        )
-        all_reduce_op(flag, dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
     def disable(self, why: str) -> None:
         """Runs eagerly from now on, with one warning naming ``why``."""
         self.fallback = why
         warnings.warn(f"shard: compile: running the update eagerly: {why}", stacklevel=4)
+
+
+def _agreed(failed: bool, layout: FlatLayout) -> bool:
+    """Whether ``failed`` on any rank of the layout's group (one small all-reduce)."""
+    group = layout.group
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return failed
+    device = comm_device(group, layout.buffers[0].device if layout.buffers else None)
+    flag = torch.tensor([float(failed)], device=device)
+    all_reduce_op(flag, dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def _first_line(exc: BaseException) -> str:
@@ -375,12 +378,15 @@ def planned_update(
                 stacklevel=3,
             )
         return None
-    owned = sum(p.numel for p in layout.pieces)
+    # Every rank decides alike, or a compiled rank would wait alone in its first step's
+    # agreement: by the plan's largest shard (not this rank's), and a compiler on every rank.
+    owned = max(layout.plan.numel_per_rank(), default=0)
     if mode == "auto" and (owned < AUTO_NUMEL or flat_rule(tx) is not None):
         return None  # small, or torch's fused kernels already (adamw, sgd, ...)
     blocker = compile_blocker(layout.buffers[0].device) if layout.buffers else None
-    if blocker is not None:
-        warnings.warn(f"shard: compile: running the update eagerly: {blocker}", stacklevel=3)
+    if _agreed(blocker is not None, layout):
+        why = blocker or "another rank cannot compile"
+        warnings.warn(f"shard: compile: running the update eagerly: {why}", stacklevel=3)
         return None
     update = CompiledUpdate(tx, layout, layout.scope)
     _UPDATES[layout] = update
