@@ -1,5 +1,6 @@
 """Compiled flat updates (``shard(..., compile=True)``, [Note: compiled updates]) against built-in
-fused AdamW on the same flat size, interleaved step by step in one world (gloo, CPU).
+fused AdamW on the same flat size, interleaved step by step in one world (gloo on CPU; with
+``--device cuda``, NCCL on one GPU per rank).
 
 Float32 parameters of ``--numel`` elements in ``--tensors`` equal tensors, stage 1, a flat plan,
 fixed gradients given to ``step``. Variants (ratios to ``adamw fused``, built-in ``adamw`` run
@@ -79,19 +80,20 @@ def _tx(name: str) -> Any:
     return lion(1e-4) if name == "lion" else adamw(1e-3)
 
 
-def build(numel: int, tensors: int) -> dict[str, Any]:
+def build(numel: int, tensors: int, device: str = "cpu") -> dict[str, Any]:
     """Each variant's step as a callable, and its first step's time."""
     from shardopt.core import plan_partition
     from shardopt.functional import shard
 
     shapes = [numel // tensors] * tensors
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    grads32 = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
+    grads32 = [(torch.randn(s, generator=gen) * 1e-2).to(device) for s in shapes]
     grads16 = [g.bfloat16() for g in grads32]
     steps, first, boxes = {}, {}, {}
     for name, (which, compiled, half, remainders) in VARIANTS.items():
         torch.manual_seed(0)
-        params = [torch.randn(s).to(torch.bfloat16 if half else torch.float32) for s in shapes]
+        dtype = torch.bfloat16 if half else torch.float32
+        params = [torch.randn(s).to(device, dtype) for s in shapes]
         opts = {"master_dtype": torch.float32, "master_remainders": remainders} if half else {}
         plan = plan_partition(params, dist.get_world_size(), strategy="flat")
         sharded = shard(_tx(which), plan, compile=compiled, **opts)
@@ -103,26 +105,40 @@ def build(numel: int, tensors: int) -> dict[str, Any]:
         ) -> None:
             box["state"] = sharded.step(params, g, box["state"])
 
-        dist.barrier()
+        _sync(device)
         start = time.perf_counter()
         step()
+        _sync(device)
         first[name] = time.perf_counter() - start
         steps[name], boxes[name] = step, box
     return {"steps": steps, "first": first, "boxes": boxes}
 
 
-def measure(rank: int, world: int, rounds: int, numel: int, tensors: int) -> dict[str, Any]:
+def _sync(device: str) -> None:
+    """Every rank here, and (on CUDA) every launched kernel done."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def measure(
+    rank: int, world: int, rounds: int, numel: int, tensors: int, device: str = "cpu"
+) -> dict[str, Any]:
     from shardopt.functional.engine._compiled import compiled_update
 
-    built = build(numel, tensors)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    built = build(numel, tensors, device)
     names = list(VARIANTS)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds + WARMUP):
         k = i % len(names)
         for name in names[k:] + names[:k]:
-            dist.barrier()
+            _sync(device)
             start = time.perf_counter()
             built["steps"][name]()
+            if device == "cuda":
+                torch.cuda.synchronize()
             if i >= WARMUP:
                 times[name].append(time.perf_counter() - start)
         if rank == 0:
@@ -145,13 +161,18 @@ def measure(rank: int, world: int, rounds: int, numel: int, tensors: int) -> dic
     }
 
 
-def run(world: int, rounds: int, repeats: int, numel: int, tensors: int) -> dict[str, Any]:
+def run(
+    world: int, rounds: int, repeats: int, numel: int, tensors: int, device: str = "cpu"
+) -> dict[str, Any]:
     ratios: dict[str, list[float]] = {n: [] for n in VARIANTS}
     per_repeat: dict[str, list[float]] = {n: [] for n in VARIANTS}
     medians: dict[str, list[float]] = {n: [] for n in VARIANTS}
     firsts, recompiles, fallbacks = [], [], []
     for _ in range(repeats):
-        per_rank = spawn(measure, world, rounds, numel, tensors, backend="gloo", timeout=3000)
+        backend = "nccl" if device == "cuda" else "gloo"
+        per_rank = spawn(
+            measure, world, rounds, numel, tensors, device, backend=backend, timeout=3000
+        )
         slowest = {
             n: [max(r["times"][n][i] for r in per_rank) for i in range(rounds)] for n in VARIANTS
         }
@@ -166,6 +187,7 @@ def run(world: int, rounds: int, repeats: int, numel: int, tensors: int) -> dict
         fallbacks.append(per_rank[0]["fallbacks"])
     return {
         "world_size": world,
+        "device": device,
         "numel": numel,
         "tensors": tensors,
         "rounds": rounds,
@@ -189,12 +211,15 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1 << 23)
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="5 rounds, 1 repeat, 2**20 elements")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     rounds, repeats = (5, 1) if args.quick else (args.rounds, args.repeats)
     numel = 1 << 20 if args.quick else args.numel
-    rows = [run(w, rounds, repeats, numel, args.tensors) for w in args.worlds]
+    rows = [run(w, rounds, repeats, numel, args.tensors, args.device) for w in args.worlds]
     for r in rows:
-        print(f"\nW={r['world_size']}, {r['numel']} float32 elements in {r['tensors']} tensors")
+        where = f"{r['numel']} float32 elements in {r['tensors']} tensors on {r['device']}"
+        print(f"\nW={r['world_size']}, {where}")
         print("variant | ms | ratio | q1-q3 | per repeat")
         for n in VARIANTS:
             q1, q3 = r["ratio_q1_q3"][n]
@@ -211,7 +236,7 @@ def main() -> None:
             f"recompiles of the compiled chain over {r['schedule_steps']} steps of its schedule: "
             f"{r['recompiles_per_repeat']}; fallbacks: {r['fallbacks']}"
         )
-    write_results(OUT, rows)
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":
