@@ -15,7 +15,7 @@ from torch.func import grad
 
 from shardopt.core import scale_by_learning_rate, sgd
 from shardopt.core.blocks import tree_leaves
-from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
+from shardopt.functional import average_params, averaging_due, local_sgd_step
 from shardopt.testing import spawn
 
 with warnings.catch_warnings():  # torch.distributed.optim scripts its functional optimizers

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shardopt.core import Transformation, adagrad, adam, chain, plan_partition, sgd
-from shardopt.functional._state import FieldKind, flatten_state, probe_fields, slice_state
 from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._state import FieldKind, flatten_state, probe_fields, slice_state
 
 from _functional_helpers import mlp_batch, small_mlp
 

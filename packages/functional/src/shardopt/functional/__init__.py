@@ -1,10 +1,8 @@
 """shardopt.functional: stateless ZeRO-1 and ZeRO-2 sharded updates over torch.distributed."""
 
 from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_traffic
-from shardopt.functional._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.functional._options import ShardOptions, Stage
 from shardopt.functional._shard import ShardedTransformation, shard
-from shardopt.functional._state import FieldKind, ShardedState, StateField, StepStats
 from shardopt.functional.checkpoint._checkpoint import load_sharded_state_dict, sharded_state_dict
 from shardopt.functional.checkpoint._dcp import load_checkpoint, save_checkpoint
 from shardopt.functional.checkpoint._errors import CheckpointError
@@ -28,6 +26,8 @@ from shardopt.functional.engine._hooks import (
     wait_params,
 )
 from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._local_sgd import average_params, averaging_due, local_sgd_step
+from shardopt.functional.engine._state import FieldKind, ShardedState, StateField, StepStats
 
 __all__ = [
     "Algorithm",

@@ -12,13 +12,6 @@ import torch.distributed as dist
 from shardopt.core import Plan, Transformation
 from shardopt.core.blocks import PyTree, in_scope, needs_whole_tensors, tree_leaves
 from shardopt.functional._options import ShardOptions, Stage
-from shardopt.functional._state import (
-    ShardedState,
-    StepStats,
-    flatten_state,
-    probe_fields,
-    tensor_labels,
-)
 from shardopt.functional.engine._clip import (
     Health,
     clip_coefficient,
@@ -40,6 +33,13 @@ from shardopt.functional.engine._mesh import (
     tensor_parallel,
 )
 from shardopt.functional.engine._scope import ShardReducer, meta_tree, shard_scope
+from shardopt.functional.engine._state import (
+    ShardedState,
+    StepStats,
+    flatten_state,
+    probe_fields,
+    tensor_labels,
+)
 from shardopt.functional.engine._update import (
     cut_for_whole,
     probe_scope,

@@ -11,7 +11,8 @@ import torch
 
 from shardopt.core import Piece, Plan, plan_partition
 from shardopt.functional import FlatLayout
-from shardopt.functional.engine import ProcessGroup, build_layout, gather_entries
+from shardopt.functional.checkpoint import gather_entries
+from shardopt.functional.engine import ProcessGroup, build_layout
 from shardopt.optim._zero_backend import reseat
 from shardopt.optim._zero_params import API
 from shardopt.optim._zero_partition import copy_hyperparameters, flat_partition, owners

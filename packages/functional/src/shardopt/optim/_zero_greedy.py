@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from shardopt.functional import FlatLayout, Pending
-from shardopt.functional.engine import ProcessGroup, build_layout, gather_entries
+from shardopt.functional.checkpoint import gather_entries
+from shardopt.functional.engine import ProcessGroup, build_layout
 from shardopt.optim._zero_backend import reseat
 from shardopt.optim._zero_flat_local import optimizer_wide
 from shardopt.optim._zero_params import API, check_grads

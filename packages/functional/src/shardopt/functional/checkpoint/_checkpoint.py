@@ -8,13 +8,13 @@ from typing import Any
 import torch
 
 from shardopt.core import Plan
-from shardopt.functional._state import ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import outside_tensors
 from shardopt.functional.checkpoint._hyperparams import (
     checked_hyperparams,
     saved_hyperparams,
     write_hyperparams,
 )
+from shardopt.functional.engine._state import ShardedState
 
 __all__ = ["SHARDED_FORMAT", "load_sharded_state_dict", "sharded_state_dict"]
 

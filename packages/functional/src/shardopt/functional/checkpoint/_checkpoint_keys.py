@@ -12,7 +12,8 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import Transformation
 from shardopt.core.blocks import TORCH_COMPAT
-from shardopt.functional._state import (
+from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._state import (
     FieldKind,
     ShardedState,
     StateField,
@@ -20,7 +21,6 @@ from shardopt.functional._state import (
     piece_slots,
     without_hyperparams,
 )
-from shardopt.functional.engine._layout import FlatLayout
 
 __all__ = [
     "STATE_KEYS",

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Piece, Plan
-from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
     ListField,
@@ -19,6 +18,7 @@ from shardopt.functional.checkpoint._checkpoint_keys import (
 )
 from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._rooted import gather_to
+from shardopt.functional.engine._state import FieldKind, ShardedState
 
 __all__ = [
     "empty_entries",

@@ -14,7 +14,6 @@ from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardopt.functional._state import ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
     has_state,
@@ -56,6 +55,7 @@ from shardopt.functional.checkpoint._safe_load import (
 from shardopt.functional.checkpoint._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._failure import completed, fails_together
+from shardopt.functional.engine._state import ShardedState
 from shardopt.functional.engine._validate import agree_across_ranks, fingerprint, plan_fields
 
 __all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardopt.core import Plan
-from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
     ListField,
@@ -24,6 +23,7 @@ from shardopt.functional.checkpoint._checkpoint_keys import (
 from shardopt.functional.checkpoint._dcp_pieces import piece_tensor
 from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._mesh import GlobalPlace, mesh_groups
+from shardopt.functional.engine._state import FieldKind, ShardedState
 
 __all__ = [
     "HYPERPARAMS",

@@ -9,8 +9,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core import set_hyperparams
-from shardopt.functional._state import ShardedState, injected_states
 from shardopt.functional.checkpoint._checkpoint_keys import sanitised_key
+from shardopt.functional.engine._state import ShardedState, injected_states
 
 __all__ = [
     "HyperparamWrites",

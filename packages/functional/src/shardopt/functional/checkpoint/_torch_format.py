@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Plan
-from shardopt.functional._state import FieldKind, ShardedState
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
     keys_of,
@@ -27,6 +26,7 @@ from shardopt.functional.checkpoint._consolidate import (
 )
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._failure import fails_together
+from shardopt.functional.engine._state import FieldKind, ShardedState
 from shardopt.functional.engine._validate import (
     agree_across_ranks,
     describe,

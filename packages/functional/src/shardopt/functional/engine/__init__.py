@@ -5,9 +5,11 @@ optimizers on it.
 this package exports what an optimizer built on the engine needs besides (``shardopt.optim``'s
 ZeroRedundancyOptimizer and model averagers use nothing else): the layout and its parameter
 syncs, the groups of a device mesh ([Note: hybrid sharding]), the cross-rank agreement
-([Note: cross-rank validation]), the torch names and per-piece views of a sharded state
+([Note: cross-rank validation]), the fields of a sharded state and per-piece views of it
 (``shaped``: in their tensors' shapes where the plan owns them whole), and the local-SGD
-schedule and averaging helpers.
+schedule and averaging helpers. The engine imports nothing above it: ``checkpoint/`` and the
+functional face build on it, and name a state's entries for torch (``shardopt.functional.
+checkpoint``).
 
 [Note: engine glossary]
 The index spaces, each named once (the plan's arithmetic is shardopt.core's ``Plan``):
@@ -46,17 +48,22 @@ gradient reduction (plain or on a wire: ``Reduction`` in _reduction.py), and eac
 weights (``Masters`` in _masters.py).
 
 The folders: ``engine/`` holds what moves and updates memory (layout, collectives, hooks, the
-update pipeline, the cross-rank checks); ``checkpoint/`` holds the formats (sharded state
-dicts, torch.optim's consolidated form, torch.distributed.checkpoint); ``shard``, the state
-and the cost model sit at the top.
+update pipeline, the sharded state and its fields, the cross-rank checks, the local-SGD
+averaging); ``checkpoint/`` holds the formats (sharded state dicts, torch.optim's consolidated
+form, torch.distributed.checkpoint) and imports the engine; ``shard`` and the cost model sit at
+the top.
 """
-
-import importlib
-from typing import TYPE_CHECKING, Any
 
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._failure import RankFailedError, fails_together
 from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._local_sgd import (
+    average_flat,
+    check_averageable,
+    check_schedule,
+    in_group,
+    resolve_group,
+)
 from shardopt.functional.engine._mesh import MeshGroups, mesh_groups
 from shardopt.functional.engine._rooted import (
     broadcast_from,
@@ -66,6 +73,7 @@ from shardopt.functional.engine._rooted import (
     isend_to,
     reduce_to,
 )
+from shardopt.functional.engine._state import init_values, piece_slots, probe_fields
 from shardopt.functional.engine._update import shaped
 from shardopt.functional.engine._validate import (
     agree_across_ranks,
@@ -74,45 +82,6 @@ from shardopt.functional.engine._validate import (
     plan_fields,
     ranks_with,
 )
-
-if TYPE_CHECKING:
-    from shardopt.functional._local_sgd import (
-        average_flat,
-        check_averageable,
-        check_schedule,
-        in_group,
-        resolve_group,
-    )
-    from shardopt.functional._state import init_values, piece_slots, probe_fields
-    from shardopt.functional.checkpoint._checkpoint_keys import field_keys, has_state, piece_value
-    from shardopt.functional.checkpoint._entries import gather_entries, to_cpu
-
-# Names of this face that live outside the engine, in modules that import the engine: resolved
-# on first use, so importing any engine module never imports them back (PEP 562).
-_ELSEWHERE = {
-    "field_keys": "shardopt.functional.checkpoint._checkpoint_keys",
-    "has_state": "shardopt.functional.checkpoint._checkpoint_keys",
-    "gather_entries": "shardopt.functional.checkpoint._entries",
-    "to_cpu": "shardopt.functional.checkpoint._entries",
-    "piece_value": "shardopt.functional.checkpoint._checkpoint_keys",
-    "average_flat": "shardopt.functional._local_sgd",
-    "check_averageable": "shardopt.functional._local_sgd",
-    "check_schedule": "shardopt.functional._local_sgd",
-    "in_group": "shardopt.functional._local_sgd",
-    "resolve_group": "shardopt.functional._local_sgd",
-    "init_values": "shardopt.functional._state",
-    "piece_slots": "shardopt.functional._state",
-    "probe_fields": "shardopt.functional._state",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _ELSEWHERE:
-        value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "reduce_to",
@@ -131,20 +100,15 @@ __all__ = [
     "check_schedule",
     "comm_device",
     "describe",
-    "field_keys",
     "fails_together",
     "fingerprint",
-    "gather_entries",
-    "has_state",
     "in_group",
     "init_values",
     "mesh_groups",
     "piece_slots",
-    "piece_value",
     "plan_fields",
     "probe_fields",
     "ranks_with",
     "resolve_group",
     "shaped",
-    "to_cpu",
 ]

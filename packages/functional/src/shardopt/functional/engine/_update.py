@@ -22,12 +22,12 @@ from shardopt.core.blocks import (
     update_whole_,
     whole_tensor_mask,
 )
-from shardopt.functional._state import slice_state
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled import compiled_update
 from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
 from shardopt.functional.engine._scope import LocalReducer
+from shardopt.functional.engine._state import slice_state
 
 __all__ = [
     "cut_for_whole",
