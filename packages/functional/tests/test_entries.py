@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt.functional.engine import gather_entries
+from shardopt.functional.checkpoint import gather_entries
 from shardopt.testing import World
 
 
