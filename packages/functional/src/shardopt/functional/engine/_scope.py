@@ -40,10 +40,12 @@ class ShardReducer:
         self.device = comm_device(group, device)
         self.calls = 0
         self.split: tuple[ProcessGroup, tuple[bool, ...]] | None = None
+        self._masks: dict[int, torch.Tensor] = {}  # trees -> the split slots, made once
 
     def set_tensor_parallel(self, group: ProcessGroup, split: Sequence[bool]) -> None:
         """Tensors ``split`` (one flag per plan tensor) are parts over tensor-parallel ``group``."""
         self.split = (group, tuple(split)) if any(split) else None
+        self._masks = {}
 
     def combine(
         self,
@@ -78,9 +80,7 @@ class ShardReducer:
         else:
             vector.scatter_reduce_(0, slots, values, reduce="amax", include_self=True)
         vector = self._over_tensor_parallel(self._all_reduce(vector, op, self.group), op, trees)
-        if total:
-            return (vector.sum() if op == "sum" else vector.max()).reshape(1)
-        return vector[slots]
+        return _total(vector, op) if total else vector[slots]
 
     def _all_reduce(self, vector: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         if dist.get_world_size(group) <= 1:
@@ -97,7 +97,10 @@ class ShardReducer:
         if self.split is None:
             return vector
         group, split = self.split
-        mask = torch.tensor([*split, False] * trees, device=self.device)
+        mask = self._masks.get(trees)
+        if mask is None:
+            mask = torch.tensor([*split, False] * trees, device=self.device)
+            self._masks[trees] = mask
         fill = 0.0 if op == "sum" else float("-inf")
         across = self._all_reduce(torch.where(mask, vector, fill), op, group)
         return torch.where(mask, across, vector)
@@ -124,11 +127,14 @@ class LocalReducer:
         total: bool = False,
     ) -> torch.Tensor:
         del ids, parts, trees
-        if not total:
-            return values
-        if values.numel() == 0:
-            return values.new_zeros(1)
-        return (values.sum() if op == "sum" else values.max()).reshape(1)
+        return _total(values, op) if total else values
+
+
+def _total(values: torch.Tensor, op: str) -> torch.Tensor:
+    """``op`` over every value, as a one-element tensor (0 where there is none)."""
+    if values.numel() == 0:
+        return values.new_zeros(1)
+    return (values.sum() if op == "sum" else values.max()).reshape(1)
 
 
 def meta_tree(params: PyTree) -> PyTree:
