@@ -25,16 +25,10 @@ def params_of(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
 
 
-def world_one() -> None:
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-
-
-@pytest.fixture
-def one_rank() -> Any:
-    world_one()
-    yield
-    dist.destroy_process_group()
+# [Note: one-rank tests] The tests below that step a shard() need a process group. They run in a
+# one-rank world (a fresh process), never in pytest's: on torch 2.4 a gloo group destroyed in the
+# process that made it can deadlock in its destructor while holding the GIL, where no timeout can
+# reach it. A fresh process also makes the module patches below (no monkeypatch) its own.
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, 0.0, "True"])
@@ -43,16 +37,16 @@ def test_compile_other_than_true_false_or_auto_is_refused_naming_shard(value):
         shard(adamw(1e-3), plan_partition(params_of(), 1), compile=value)
 
 
+@pytest.mark.world(1)
 @pytest.mark.parametrize(("mode", "compiled"), [("auto", False), (False, False), (True, True)])
-def test_auto_stays_eager_below_the_threshold_and_true_compiles_any_size(one_rank, mode, compiled):
+def test_auto_stays_eager_below_the_threshold_and_true_compiles_any_size(mode, compiled):
     params = params_of()
     state = shard(adamw(1e-3), plan_partition(params, 1), compile=mode).init(params)
     assert (compiled_update(state.layout) is not None) is compiled
 
 
-def test_auto_compiles_a_composed_transformation_from_the_threshold_never_a_fused_one(
-    one_rank, monkeypatch
-):
+@pytest.mark.world(1)
+def test_auto_compiles_a_composed_transformation_from_the_threshold_never_a_fused_one():
     params = params_of()
     numel = sum(p.numel() for p in params)
     for threshold, tx, compiled in [
@@ -60,13 +54,14 @@ def test_auto_compiles_a_composed_transformation_from_the_threshold_never_a_fuse
         (numel + 1, lion(1e-3), False),
         (numel, adamw(1e-3), False),  # its flat rule runs torch's fused kernel already
     ]:
-        monkeypatch.setattr(_compiled, "AUTO_NUMEL", threshold)
+        _compiled.AUTO_NUMEL = threshold
         state = shard(tx, plan_partition(params, 1)).init(params)
         assert (compiled_update(state.layout) is not None) is compiled, (threshold, tx)
 
 
-def test_no_compiler_warns_once_naming_why_and_steps_as_eager(one_rank, monkeypatch):
-    monkeypatch.setattr(_compiled, "compile_blocker", lambda device: "no C++ compiler (test)")
+@pytest.mark.world(1)
+def test_no_compiler_warns_once_naming_why_and_steps_as_eager():
+    _compiled.compile_blocker = lambda device: "no C++ compiler (test)"
     eager_params, params = params_of(), params_of()
     eager = shard(lion(1e-2), plan_partition(params, 1), compile=False)
     eager_state = eager.init(eager_params)
@@ -80,7 +75,8 @@ def test_no_compiler_warns_once_naming_why_and_steps_as_eager(one_rank, monkeypa
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
 
-def test_true_with_a_transformation_that_needs_whole_tensors_warns_and_runs_eagerly(one_rank):
+@pytest.mark.world(1)
+def test_true_with_a_transformation_that_needs_whole_tensors_warns_and_runs_eagerly():
     params = [torch.randn(4, 4), torch.randn(3, 5)]
     plan = plan_partition(params, 1, strategy="greedy")
     with pytest.warns(UserWarning, match=EAGER + "the transformation needs whole tensors"):
