@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from shardopt.cli._cli import main
-from shardopt.cli._cli_launch import launch
 from shardopt.cli._demo_data import VOCAB, decode, encode, read_corpus, sample_batch
 from shardopt.cli._demo_report import format_report
 from shardopt.cli._demo_train import DemoConfig, train_rank
+from shardopt.testing import spawn
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = DemoConfig(
@@ -32,7 +32,9 @@ def is_png(path: str) -> bool:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_demo_reports_loss_memory_equivalence_and_sample_and_writes_a_png(tmp_path, stage):
     config = dataclasses.replace(TINY, stage=stage, out=str(tmp_path / "demo.png"))
-    report, other = launch(train_rank, 2, config, "gloo", backend="gloo", timeout=120.0)
+    # A forkserver world (seconds less than launch's elastic agent; launch runs the demo in the
+    # tests of the command below and under torchrun).
+    report, other = spawn(train_rank, 2, config, "gloo", backend="gloo", timeout=120.0)
     assert other is None  # only rank 0 reports
     assert (report.steps, len(report.reference_losses)) == (3, 3)
     assert all(math.isfinite(x) and x > 0 for x in report.losses)
