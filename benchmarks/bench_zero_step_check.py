@@ -35,7 +35,7 @@ VARIANTS = ("checked", "unchecked")
 
 def measure(rank: int, world: int, model: str, rounds: int) -> dict[str, list[float]]:
     from shardopt.optim import ZeroRedundancyOptimizer
-    from shardopt.optim import _zero as zero_module
+    from shardopt.optim.zero import _optimizer as zero_module
 
     checked = zero_module.check_grads
     torch.manual_seed(0)

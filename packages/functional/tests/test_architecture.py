@@ -34,3 +34,47 @@ def test_no_engine_module_imports_from_above_the_engine(path: pathlib.Path) -> N
         and not name.startswith("shardopt.functional.engine")
     ]
     assert above == [], f"{path.name} imports {above} from above the engine"
+
+
+SOURCES = sorted(
+    path
+    for package in ("core", "functional", "testing")
+    for path in (pathlib.Path(__file__).parents[2] / package / "src" / "shardopt").rglob("*.py")
+)
+
+
+def shardopt_classes(path: pathlib.Path) -> dict[str, list[str]]:
+    """Each class ``path`` defines -> the names of its bases (as written)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        node.name: [ast.unparse(base) for base in node.bases]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def is_mixing(bases: list[str], ours: set[str]) -> bool:
+    """Whether a class of these ``bases`` mixes in a class of ours: several bases, one of them
+    ours, except a Protocol extending protocols and an exception that is also a builtin one
+    (``WorldTimeoutError(WorldError, TimeoutError)``), which add no state-reading methods."""
+    names = [base.split(".")[-1] for base in bases]
+    if len(names) < 2 or "Protocol" in names:
+        return False
+    if all(n.endswith(("Error", "Exception")) for n in names):
+        return False
+    return any(n in ours for n in names)
+
+
+def test_no_class_mixes_in_a_class_of_ours() -> None:
+    """A mixin here: a class of shardopt's that is one of several bases of another class (its
+    methods read attributes that only the other bases' constructor sets)."""
+    classes = {path: shardopt_classes(path) for path in SOURCES}
+    ours = {name for defined in classes.values() for name in defined}
+    mixed = [
+        f"{path.name}: {name}({', '.join(bases)})"
+        for path, defined in classes.items()
+        for name, bases in defined.items()
+        if is_mixing(bases, ours)
+    ]
+    assert len(SOURCES) > 100, SOURCES
+    assert mixed == [], mixed

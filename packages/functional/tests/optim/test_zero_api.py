@@ -393,7 +393,7 @@ def test_overlap_with_ddp_step_only_warns_once_and_hooks_get_the_contract(world:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("shardopt.optim._zero").addHandler(handler)
+    logging.getLogger("shardopt.optim.zero._optimizer").addHandler(handler)
     assert o.step() is None
     assert o.step() is None
     assert len([r for r in records if "overlap_with_ddp" in r.getMessage()]) == 1

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardopt.optim import ZeroRedundancyOptimizer, _zero_flat
+from shardopt.optim import ZeroRedundancyOptimizer
+from shardopt.optim.zero import _core_optimizer
 from shardopt.testing import World, requires_torch
 
 NEEDS_MUON = requires_torch("2.9", "torch.optim.Muon and Adafactor")
@@ -225,7 +226,7 @@ def test_a_per_step_lr_scheduler_trains_like_torch_and_shards_only_at_constructi
     calls = {"shard": 0, "probe_fields": 0}
 
     def counting(name: str) -> Any:
-        real = getattr(_zero_flat, name)
+        real = getattr(_core_optimizer, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             calls[name] += 1
@@ -236,7 +237,7 @@ def test_a_per_step_lr_scheduler_trains_like_torch_and_shards_only_at_constructi
     problems = []
     with pytest.MonkeyPatch.context() as mp:
         for name in calls:
-            mp.setattr(_zero_flat, name, counting(name))
+            mp.setattr(_core_optimizer, name, counting(name))
         for name in ("sgd_nesterov", "adam"):
             cls, kwargs = OPTIMIZERS[name]
             ref_model, model = build_model(), build_model()

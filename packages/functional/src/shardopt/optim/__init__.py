@@ -11,7 +11,7 @@ from shardopt.optim._frameworks import ConsolidateOnSave
 from shardopt.optim._local_gradients import local_gradients_hook
 from shardopt.optim._post_local_sgd import PostLocalSGDOptimizer
 from shardopt.optim._rpc_optimizer import DistributedOptimizer
-from shardopt.optim._zero import ZeroRedundancyOptimizer
+from shardopt.optim.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "ConsolidateOnSave",

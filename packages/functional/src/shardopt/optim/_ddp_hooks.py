@@ -34,7 +34,7 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 # parameters from their owners on ``zero.process_group``, returns the work handles). The hooks
 # make one ``_step_params`` call at a time, so it may swap the local optimizer's param groups.
 # A fifth, ``_steps_per_bucket``, says whether ``zero``'s class may be stepped bucket by bucket
-# (torch.optim's per-parameter classes: [Note: stepping per bucket] in _zero_classes.py); when it
+# (torch.optim's per-parameter classes: [Note: stepping per bucket] in zero/_classes.py); when it
 # is False (or missing) the hooks wait for every bucket's reduction and make one
 # ``_step_params`` call with all the parameters, which is the local optimizer's one ``step()``
 # of the iteration: a class that counts per call (a group's ``step``, schedule-free's ``k``,

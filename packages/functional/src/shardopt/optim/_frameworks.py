@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardopt.optim._zero import ZeroRedundancyOptimizer
+from shardopt.optim.zero import ZeroRedundancyOptimizer
 
 __all__ = ["ConsolidateOnSave"]
 

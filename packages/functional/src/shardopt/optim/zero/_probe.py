@@ -45,7 +45,7 @@ __all__ = [
 # taken only after many steps, or only for some shapes) it cannot see; the table test of the
 # third-party classes holds the verdicts to one process's result.
 #
-# The verdicts on popular classes are listed in [Note: coupled optimizers] (_zero_classes.py) and
+# The verdicts on popular classes are listed in [Note: coupled optimizers] (zero/_classes.py) and
 # pinned by tests/integration/test_third_party_optimizers.py.
 
 _PER_PARAMETER_NAMES = (

@@ -9,15 +9,19 @@ import torch
 
 from shardopt.functional import FlatLayout
 from shardopt.functional.engine import ProcessGroup
-from shardopt.optim._zero_flat import DDP_AVERAGED, FlatShardOptimizer, Wire, torch_defaults
-from shardopt.optim._zero_params import API
-from shardopt.optim._zero_partition import copy_hyperparameters, flat_partition, owners
+from shardopt.optim.zero._core_optimizer import (
+    DDP_AVERAGED,
+    CoreShardOptimizer,
+    Wire,
+    torch_defaults,
+)
+from shardopt.optim.zero._partition import copy_hyperparameters, flat_partition, owners
 
-__all__ = ["FlatBackend"]
+__all__ = ["CoreBackend"]
 
 
-class FlatBackend:
-    """The flat partition behind ZeroRedundancyOptimizer: ``optim`` is a FlatShardOptimizer, one
+class CoreBackend:
+    """The flat partition behind ZeroRedundancyOptimizer: ``optim`` is a CoreShardOptimizer, one
     ``shard`` per param group (see [Note: the flat local optimizer])."""
 
     def __init__(
@@ -32,7 +36,7 @@ class FlatBackend:
     ) -> None:
         like = next(p for g in param_groups for p in g["params"])
         full = torch_defaults(optimizer_class, defaults, like)
-        self.optim = FlatShardOptimizer(optimizer_class, full, group, world_size, wire)
+        self.optim = CoreShardOptimizer(optimizer_class, full, group, world_size, wire)
         self.world_size = world_size
         for g in param_groups:
             self.prepare(g)
@@ -62,19 +66,6 @@ class FlatBackend:
         loss = self.optim.step(closure, **kwargs)
         copy_hyperparameters(self.optim.param_groups, param_groups)
         return loss
-
-    def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
-        """Refused: the DDP hooks need whole parameters per rank."""
-        raise RuntimeError(f"{API}._step_params: expected partition='greedy', got 'flat'")
-
-    def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
-        """Refused: the DDP hooks need whole parameters per rank."""
-        raise RuntimeError(f"{API}._sync_params_of: expected partition='greedy', got 'flat'")
-
-    @property
-    def layout(self) -> FlatLayout | None:
-        """None: one layout per group (see :meth:`layouts`)."""
-        return None
 
     def wait_params(self) -> None:
         """Waits for every group's gathers left in flight (param hooks)."""

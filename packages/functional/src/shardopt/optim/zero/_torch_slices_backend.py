@@ -13,11 +13,10 @@ from shardopt.core import Piece, Plan, plan_partition
 from shardopt.functional import FlatLayout
 from shardopt.functional.checkpoint import gather_entries
 from shardopt.functional.engine import ProcessGroup, build_layout
-from shardopt.optim._zero_backend import reseat
-from shardopt.optim._zero_params import API
-from shardopt.optim._zero_partition import copy_hyperparameters, flat_partition, owners
+from shardopt.optim.zero._backend import reseat
+from shardopt.optim.zero._partition import copy_hyperparameters, flat_partition, owners
 
-__all__ = ["LocalFlatBackend", "optimizer_wide"]
+__all__ = ["TorchSlicesBackend", "optimizer_wide"]
 
 # [Note: slices for the class itself]
 # A class that the elementwise probe passes ([Note: optimizer probes]) updates each element from
@@ -74,7 +73,7 @@ class _Unit:
             leaf.grad = None
 
 
-class LocalFlatBackend:
+class TorchSlicesBackend:
     """The flat partition of a class proved elementwise by probing (see [Note: slices for the
     class itself]); ``optim`` is the class over this rank's slices."""
 
@@ -153,19 +152,6 @@ class LocalFlatBackend:
         for u in self.units:
             if u is not None:
                 u.layout.sync_params()
-
-    def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
-        """Refused: the DDP hooks need whole parameters per rank."""
-        raise RuntimeError(f"{API}._step_params: expected partition='greedy', got 'flat'")
-
-    def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
-        """Refused: the DDP hooks need whole parameters per rank."""
-        raise RuntimeError(f"{API}._sync_params_of: expected partition='greedy', got 'flat'")
-
-    @property
-    def layout(self) -> FlatLayout | None:
-        """None: one layout per group (see :meth:`layouts`)."""
-        return None
 
     def wait_params(self) -> None:
         for layout in self.layouts():

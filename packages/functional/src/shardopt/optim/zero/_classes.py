@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from shardopt.optim._core_mapping import CORE_FACTORIES
-from shardopt.optim._zero_backend import ZeroBackend
-from shardopt.optim._zero_flat import Wire
-from shardopt.optim._zero_flat_backend import FlatBackend
-from shardopt.optim._zero_flat_local import LocalFlatBackend
-from shardopt.optim._zero_params import API
-from shardopt.optim._zero_probe import coupling, elementwise, known_base
+from shardopt.optim.zero._backend import ZeroBackend
+from shardopt.optim.zero._core_backend import CoreBackend
+from shardopt.optim.zero._core_optimizer import Wire
+from shardopt.optim.zero._params import API
+from shardopt.optim.zero._probe import coupling, elementwise, known_base
+from shardopt.optim.zero._torch_slices_backend import TorchSlicesBackend
 
 __all__ = ["check_coupling", "flat_backend", "settings", "steps_per_bucket"]
 
@@ -135,7 +135,7 @@ def flat_backend(
     elementwise probe passes; raises ValueError naming the class and the reason otherwise."""
     base = known_base(optimizer_class)
     if base in CORE_FACTORIES:
-        return FlatBackend(param_groups, base, defaults, wire, group=group, world_size=world_size)
+        return CoreBackend(param_groups, base, defaults, wire, group=group, world_size=world_size)
     name = _name(optimizer_class)
     known = ", ".join(c.__name__ for c in CORE_FACTORIES)
     if wire.comm_dtype is not None:
@@ -154,6 +154,6 @@ def flat_backend(
                 f"with a shardopt.core form, {known}, and classes its probe finds elementwise)"
             )
         keys |= verdict.keys
-    return LocalFlatBackend(
+    return TorchSlicesBackend(
         optimizer_class, defaults, keys, group=group, rank=rank, world_size=world_size
     )

@@ -3,28 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from shardopt.functional import FlatLayout
 
-__all__ = ["ZeroBackend", "reseat"]
+__all__ = ["OverlapBackend", "ZeroBackend", "reseat"]
 
 # [Note: one backend]
-# ZeroRedundancyOptimizer is one class over two partitions. Its constructor picks the backend
-# once, from ``partition`` and the class: a GreedyBackend (torch's local optimizer over whole
-# parameters, ``optim/_zero_greedy.py``), a FlatBackend (shardopt.core's update over flat
-# slices, ``optim/_zero_flat_backend.py``) or, for a class without a core form that the probe
-# finds elementwise, a LocalFlatBackend (the class itself over flat slices,
-# ``optim/_zero_flat_local.py``); nothing else branches on the partition. The class keeps what
-# torch's has whatever the partition: the param groups, the cross-rank checks of its input, Join,
-# the answers of ``state_dict`` ([Note: state dicts without consolidation]) and the caches of
-# torch's partition attributes. Every collective on parameters or optimizer state is the
-# backend's, and each backend runs them on shardopt.functional's engine: the greedy one syncs
-# through a FlatLayout (bucket views) or its staged storage and consolidates by the windowed
-# gathers of [Note: entries by gathers]; the flat one is ``shard`` itself; the local flat one
-# syncs through one FlatLayout per param group and consolidates by the same gathers.
+# ZeroRedundancyOptimizer is one class over three backends, named by who computes the update.
+# Its constructor picks one, once, from ``partition`` and the class:
+# - TorchBackend (``_torch_backend.py``): the class itself, torch's local optimizer, over whole
+#   parameters (partition="greedy");
+# - CoreBackend (``_core_backend.py``): shardopt.core's form of the class, through ``shard``
+#   (partition="flat"; on a greedy plan for Muon and Adafactor);
+# - TorchSlicesBackend (``_torch_slices_backend.py``): the class itself over this rank's flat
+#   slices, for a class without a core form that the probe finds elementwise (partition="flat").
+# Nothing else branches on the partition. The class keeps what torch's has whatever the backend:
+# the param groups, the cross-rank checks of its input, Join, the answers of ``state_dict``
+# ([Note: state dicts without consolidation]) and the caches of torch's partition attributes.
+# Every collective on parameters or optimizer state is the backend's, and each runs them on
+# shardopt.functional's engine: TorchBackend syncs through a FlatLayout (bucket views) or its
+# staged storage and consolidates by the windowed gathers of [Note: entries by gathers];
+# CoreBackend is ``shard`` itself; TorchSlicesBackend syncs through one FlatLayout per param group
+# and consolidates by the same gathers. What every backend does is ZeroBackend; stepping and
+# syncing some parameters from the DDP hooks needs whole parameters per rank, an optional
+# capability (OverlapBackend) that only TorchBackend has.
 
 
 class ZeroBackend(Protocol):
@@ -35,10 +40,6 @@ class ZeroBackend(Protocol):
     """
 
     optim: Any
-
-    @property
-    def layout(self) -> FlatLayout | None:
-        """The greedy partition's layout of bucket views, else None."""
 
     def prepare(self, group: dict[str, Any]) -> None:
         """Local checks of a new param group (raising before any collective)."""
@@ -56,12 +57,6 @@ class ZeroBackend(Protocol):
         kwargs: dict[str, Any],
     ) -> Any:
         """Updates this rank's share and syncs every parameter; returns the loss."""
-
-    def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
-        """Updates those of ``params`` this rank owns, without a sync (the DDP hooks)."""
-
-    def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
-        """Starts the sync of just ``params`` from their owners (the DDP hooks)."""
 
     def wait_params(self) -> None:
         """Waits until every parameter holds its value after the last step."""
@@ -95,6 +90,22 @@ class ZeroBackend(Protocol):
     ) -> None:
         """Loads torch-form ``entries`` (param -> entry) of this rank's parameters and the
         optimizer-wide entries ``wide`` (see [Note: optimizer-wide state])."""
+
+
+@runtime_checkable
+class OverlapBackend(Protocol):
+    """The optional capability of a backend that owns whole parameters: the DDP hooks step and
+    sync some of them ([Note: one backend])."""
+
+    @property
+    def layout(self) -> FlatLayout | None:
+        """The layout of bucket views (None without ``parameters_as_bucket_view``)."""
+
+    def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
+        """Updates those of ``params`` this rank owns, without a sync (the DDP hooks)."""
+
+    def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
+        """Starts the sync of just ``params`` from their owners (the DDP hooks)."""
 
 
 # [Note: re-seated parameters]

@@ -10,18 +10,18 @@ import torch
 from shardopt.functional import FlatLayout, Pending
 from shardopt.functional.checkpoint import gather_entries
 from shardopt.functional.engine import ProcessGroup, build_layout
-from shardopt.optim._zero_backend import reseat
-from shardopt.optim._zero_flat_local import optimizer_wide
-from shardopt.optim._zero_params import API, check_grads
-from shardopt.optim._zero_partition import (
+from shardopt.optim.zero._backend import reseat
+from shardopt.optim.zero._params import API, check_grads
+from shardopt.optim.zero._partition import (
     copy_hyperparameters,
     greedy_plan,
     owners,
     partition_parameters,
     step_only,
 )
+from shardopt.optim.zero._torch_slices_backend import optimizer_wide
 
-__all__ = ["GreedyBackend"]
+__all__ = ["TorchBackend"]
 
 
 # [Note: greedy parameter sync]
@@ -54,7 +54,7 @@ def local_states(
     }
 
 
-class GreedyBackend:
+class TorchBackend:
     """torch's partition behind ZeroRedundancyOptimizer (see [Note: the greedy partition] and
     [Note: greedy parameter sync]): ``optim`` is ``optimizer_class`` over this rank's share."""
 

@@ -237,7 +237,7 @@ def check_options(
             raise TypeError(f"{API}: expected {name} to be a bool, got {_kind(value)}")
     chosen = Strategy(partition)  # core's word: the plan's strategy
     _check_comm_dtype(comm_dtype, chosen)
-    # which classes the flat partition runs: ``flat_backend`` of _zero_classes
+    # which classes the flat partition runs: ``flat_backend`` of zero/_classes.py
     if chosen is Strategy.FLAT and overlap_with_ddp:
         raise ValueError(
             f"{API}: overlap_with_ddp=True needs partition='greedy' (whole parameters per "

@@ -10,7 +10,7 @@ import torch
 from shardopt.functional import ShardedState, consolidate_state_dict, load_torch_state_dict
 from shardopt.functional.checkpoint import field_keys, has_state, piece_value, to_cpu
 from shardopt.functional.engine import ProcessGroup, piece_slots
-from shardopt.optim._zero_params import API
+from shardopt.optim.zero._params import API
 
 __all__ = ["consolidate_flat", "load_flat", "piece_entries"]
 

@@ -13,19 +13,18 @@ from torch.optim import Optimizer
 
 from shardopt.core import Strategy
 from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
-from shardopt.functional.engine import fails_together, mesh_groups
-from shardopt.optim._zero_backend import ZeroBackend
-from shardopt.optim._zero_classes import (
+from shardopt.functional.engine import fails_together, mesh_groups, ranks_with
+from shardopt.optim.zero._backend import OverlapBackend, ZeroBackend
+from shardopt.optim.zero._classes import (
     check_coupling,
     flat_backend,
     settings,
     steps_per_bucket,
 )
-from shardopt.optim._zero_flat import Wire
-from shardopt.optim._zero_greedy import GreedyBackend
-from shardopt.optim._zero_join import ZeroJoinHook
-from shardopt.optim._zero_modes import ZeroModes
-from shardopt.optim._zero_params import (
+from shardopt.optim.zero._core_optimizer import Wire
+from shardopt.optim.zero._join import ZeroJoinHook
+from shardopt.optim.zero._modes import mode_switch
+from shardopt.optim.zero._params import (
     API,
     agreed,
     check_options,
@@ -35,14 +34,22 @@ from shardopt.optim._zero_params import (
     on_device,
     read_params,
 )
-from shardopt.optim._zero_state_dict import SavedState, ZeroStateDicts
+from shardopt.optim.zero._partition import copy_hyperparameters
+from shardopt.optim.zero._state_dicts import (
+    SavedState,
+    checked_rank,
+    saved_entries,
+    starts_stateless,
+    wide_entries,
+)
+from shardopt.optim.zero._torch_backend import TorchBackend
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 
-class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shards an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The API and behaviour of ``torch.distributed.optim.ZeroRedundancyOptimizer``: change the
@@ -51,41 +58,28 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
     with gradients averaged otherwise); every method that communicates must be called on all
     ranks of ``process_group``.
 
-    - ``partition="greedy"`` (default): torch's assignment of whole parameters (see
-      [Note: the greedy partition]); ``optim`` is ``optimizer_class(this rank's param groups,
-      **defaults)``, any ``torch.optim.Optimizer`` subclass except those a probe finds coupled
-      (Prodigy, D-Adaptation, AdamS, Ranger21) or drawing random numbers (Kron), refused unless
-      ``allow_coupled=True`` ([Note: coupled optimizers]). The parameters sync through flat
-      buffers: one broadcast per rank and bucket under gloo, one all-gather per bucket under
-      NCCL (see [Note: greedy parameter sync]). With ``parameters_as_bucket_view=True`` the
-      parameters become views of those buffers; without, staging buffers carry them.
-    - ``partition="flat"``: for the torch.optim classes with a shardopt.core form (SGD, Adam,
-      AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD, Muon, Adafactor):
-      shardopt's engine steps them through ``shardopt.functional.shard``; ``optim`` is a
-      :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (see [Note: the flat local
-      optimizer]). For the elementwise classes every rank owns an equal slice of one flat buffer
-      per dtype (exactly 1/W of the state; parameters may straddle ranks); Muon and Adafactor
-      need whole matrices, so each rank owns whole parameters balanced by the update's cost
-      (Newton–Schulz flops for Muon). Parameters are always views of the flat buffers. Their
-      subclasses that override nothing run as the class. Any other class runs itself on this
-      rank's slices where a probe finds it elementwise (Lion, Adan, ADOPT, MADGRAD, AdaBelief,
-      Yogi, schedule-free AdamW and SGD; see [Note: slices for the class itself]); others are
-      refused, naming the reason.
+    - ``partition="greedy"`` (default): torch's assignment of whole parameters, each rank
+      stepping ``optimizer_class`` over its own (``optim``); any ``torch.optim.Optimizer``
+      subclass but those a probe finds coupled, refused unless ``allow_coupled=True``
+      ([Note: coupled optimizers]). ``parameters_as_bucket_view=True`` makes the parameters
+      views of the flat buffers they sync through.
+    - ``partition="flat"``: each rank owns an equal slice of one flat buffer per dtype, updated
+      by shardopt.core's form of the class through ``shardopt.functional.shard`` (Muon and
+      Adafactor: whole matrices, balanced by cost), or by the class itself where a probe finds
+      it elementwise; other classes are refused, naming the reason.
     - ``overlap_with_ddp=True``: the DDP hooks step torch.optim's per-parameter classes bucket by
       bucket and any other class once per iteration ([Note: stepping per bucket]).
     - ``train()`` / ``eval()`` exist when the local optimizer has them (schedule-free): every rank
       switches every parameter ([Note: optimizer modes]).
     - ``allow_mixed_dtypes=True``: parameters of several dtypes, one flat group per dtype.
-    - ``comm_dtype=torch.bfloat16`` (flat partition): ``step`` reduces each rank's local
-      gradients itself, half the bytes of float32 on the wire, each element rounded once and
-      summed in float32 by the rank that owns it (``shard``'s option of the same name). Give it
-      local gradients: no DDP, or DDP with :func:`~shardopt.optim.local_gradients_hook`.
+    - ``comm_dtype=torch.bfloat16`` (flat partition): ``step`` reduces local gradients itself,
+      in half the bytes of float32 (give it local gradients: no DDP, or DDP with
+      :func:`~shardopt.optim.local_gradients_hook`).
 
-    Both partitions are backends of this one class, chosen at construction ([Note: one
-    backend]). ``consolidate_state_dict`` gathers the state to one rank by the engine's
-    windowed gathers (see [Note: entries by gathers]); ``state_dict()`` there is the global
-    state in torch.optim's format as it was then (a copy), loadable by torch's
-    ZeroRedundancyOptimizer and by plain torch.optim.
+    The drop-in guide (docs/guides/drop-in.md) has the details. Each partition is a backend of
+    this one class, chosen at construction ([Note: one backend]). ``consolidate_state_dict``
+    gathers the state to one rank ([Note: entries by gathers]); ``state_dict()`` there is the
+    global state in torch.optim's format, loadable by torch's class and by plain torch.optim.
 
     Args:
         params: tensors or param-group dicts, as for any torch optimizer.
@@ -211,7 +205,7 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
         where = {"group": self.process_group, "rank": self.rank, "world_size": self.world_size}
         if self._partition is Strategy.FLAT:
             return flat_backend(self.param_groups, cls, defaults, self._wire, **where)
-        backend = GreedyBackend(self.param_groups, cls, defaults, bucket_view=bucket_view, **where)
+        backend = TorchBackend(self.param_groups, cls, defaults, bucket_view=bucket_view, **where)
         check_coupling(  # after torch's own checks, in the local optimizer's constructor
             cls,
             settings(cls, defaults, self.param_groups),
@@ -224,7 +218,8 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
     @property
     def optim(self) -> Any:
         """The local optimizer: ``optimizer_class`` over this rank's share (greedy, or flat for
-        a probed class), or a :class:`~shardopt.optim._zero_flat.FlatShardOptimizer` (flat)."""
+        a probed class), or a
+        :class:`~shardopt.optim.zero._core_optimizer.CoreShardOptimizer` (flat)."""
         return self._backend.optim
 
     # -- stepping ------------------------------------------------------------------------------
@@ -264,14 +259,19 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
     def _step_params(self, params: Sequence[torch.Tensor]) -> None:
         """Runs the local optimizer's update for those of ``params`` this rank owns, from their
         ``.grad`` (no parameter sync). For the DDP communication hooks (greedy only)."""
-        self._backend.step_params(self.param_groups, params)
+        self._overlap("_step_params").step_params(self.param_groups, params)
         self._saved.changed()
 
     def _sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Any]:
         """Starts the sync of just ``params`` from their owners; returns handles with ``wait()``
         (waited for already unless ``async_op``). Every rank passes the same parameters in the
         same order. For the DDP communication hooks (greedy only)."""
-        return self._backend.sync_params_of(params, async_op=async_op)
+        return self._overlap("_sync_params_of").sync_params_of(params, async_op=async_op)
+
+    def _overlap(self, name: str) -> OverlapBackend:
+        if not isinstance(self._backend, OverlapBackend):
+            raise RuntimeError(f"{API}.{name}: expected partition='greedy', got 'flat'")
+        return self._backend
 
     @fails_together(f"{API}.add_param_group")
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -378,7 +378,84 @@ class ZeroRedundancyOptimizer(ZeroStateDicts, ZeroModes, Optimizer, Joinable):
     @property
     def layout(self) -> FlatLayout | None:
         """The engine of the greedy partition with bucket views (None otherwise)."""
-        return self._backend.layout
+        return self._backend.layout if isinstance(self._backend, OverlapBackend) else None
+
+    # -- state dicts ([Note: state dicts without consolidation]) -------------------------------
+
+    @fails_together(f"{API}.consolidate_state_dict")
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the whole optimizer state on group rank ``to`` ([Note: entries by gathers]);
+        must be called on every rank. Afterwards :meth:`state_dict` works on rank ``to``."""
+        agreed(
+            f"{API}.consolidate_state_dict",
+            lambda: checked_rank(to, self.world_size),
+            self.process_group,
+            lambda: self._default_device,
+        )
+        self.wait_params()
+        self._saved.saving_on = None
+        with on_device(self._default_device):
+            state = self._backend.consolidate(self.param_groups, self._param_to_index, to=to)
+        self._saved.consolidated = state
+
+    @fails_together(f"{API}.consolidate_for_saving")
+    def consolidate_for_saving(self, saving: bool) -> None:
+        """Gathers the whole state on every rank that passes ``saving=True`` (one
+        :meth:`consolidate_state_dict` per saving rank); must be called on every rank before a
+        framework saves from some of them. There :meth:`state_dict` is the global state; on the
+        others, the param groups and a "state" that raises when used."""
+        with on_device(self._default_device):
+            targets = ranks_with(saving, group=self.process_group)
+        mine = None
+        for to in targets:
+            self.consolidate_state_dict(to=to)
+            mine = self._saved.consolidated if to == self.rank else mine
+        self._saved.consolidated = mine
+        self._saved.saving_on = None if saving else targets
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global state in torch.optim's format as of the last :meth:`consolidate_state_dict`
+        (the param groups as they are now); where nothing needs gathering, on any rank.
+
+        Raises:
+            RuntimeError: the state was not consolidated on this rank.
+        """
+        state = self._saved.state(lambda: not self.optim.state, self._starts_stateless)
+        self.wait_params()
+        out = Optimizer.state_dict(self)
+        out["state"] = state
+        return out
+
+    def _starts_stateless(self) -> bool:
+        cls, defaults, device = self._optim_constructor, self._optim_defaults, self._default_device
+        return bool(self._cached("stateless", lambda: starts_stateless(cls, defaults, device)))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
+        torch.optim one over the same parameters): each rank keeps what it owns.
+
+        Raises:
+            ValueError: the param groups do not have this optimizer's sizes.
+        """
+        entries = saved_entries(state_dict, self.param_groups)
+        self._saved.changed(loaded_state=bool(state_dict["state"]))
+        copy_hyperparameters(state_dict["param_groups"], self.param_groups)
+        self._backend.load(state_dict["param_groups"], entries, wide_entries(state_dict))
+        copy_hyperparameters(self.param_groups, self.optim.param_groups)
+
+    @property
+    def train(self) -> Callable[[], None]:
+        """Switches every parameter on every rank to the local optimizer's train mode."""
+        return self._mode_switch("train")
+
+    @property
+    def eval(self) -> Callable[[], None]:
+        """Switches every parameter on every rank to the local optimizer's eval mode."""
+        return self._mode_switch("eval")
+
+    def _mode_switch(self, name: str) -> Callable[[], None]:
+        backend, device = self._backend, self._default_device
+        return mode_switch(name, self.optim, self.param_groups, backend, device)
 
     # -- Joinable ------------------------------------------------------------------------------
 

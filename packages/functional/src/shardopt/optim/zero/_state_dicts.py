@@ -1,21 +1,18 @@
-"""ZeroRedundancyOptimizer's state dicts: its methods (a mixin), what they keep, and loading."""
+"""ZeroRedundancyOptimizer's state dicts: what they keep, and what loading reads."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import torch
-from torch.optim import Optimizer
 
-from shardopt.functional.engine import fails_together, ranks_with
-from shardopt.optim._zero_params import API, agreed, check_rank, on_device
-from shardopt.optim._zero_partition import copy_hyperparameters
+from shardopt.optim.zero._params import API, check_rank
 
 __all__ = [
     "SavedState",
     "StateElsewhere",
-    "ZeroStateDicts",
+    "checked_rank",
     "saved_entries",
     "starts_stateless",
     "wide_entries",
@@ -162,108 +159,7 @@ def starts_stateless(
         return False
 
 
-class ZeroStateDicts:
-    """ZeroRedundancyOptimizer's state-dict methods: consolidating to one rank or to the saving
-    ranks, ``state_dict`` and ``load_state_dict`` (a mixin, before ``Optimizer`` in the bases).
-    """
-
-    # what the methods read of the optimizer (set by its constructor)
-    process_group: Any
-    rank: int
-    world_size: int
-    param_groups: list[dict[str, Any]]
-    optim: Any
-    _saved: SavedState
-    _backend: Any
-    _default_device: torch.device
-    _optim_constructor: Any
-    _optim_defaults: dict[str, Any]
-
-    if TYPE_CHECKING:  # the optimizer's own methods
-
-        @property
-        def _param_to_index(self) -> dict[torch.Tensor, int]: ...
-        def _cached(self, key: str, compute: Callable[[], Any]) -> Any: ...
-        def wait_params(self) -> None: ...
-
-    @fails_together(f"{API}.consolidate_state_dict")
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gathers the whole optimizer state on group rank ``to``; must be called on every rank.
-
-        See [Note: entries by gathers]. Afterwards :meth:`state_dict` works on rank ``to`` (and
-        raises on the others).
-        """
-        agreed(
-            f"{API}.consolidate_state_dict",
-            lambda: _checked_rank(to, self.world_size),
-            self.process_group,
-            lambda: self._default_device,
-        )
-        self.wait_params()
-        self._saved.saving_on = None
-        with on_device(self._default_device):
-            state = self._backend.consolidate(self.param_groups, self._param_to_index, to=to)
-        self._saved.consolidated = state
-
-    @fails_together(f"{API}.consolidate_for_saving")
-    def consolidate_for_saving(self, saving: bool) -> None:
-        """Gathers the whole state on every rank that passes ``saving=True``; must be called on
-        every rank of the group, before a framework saves from some of them.
-
-        Afterwards :meth:`state_dict` on a saving rank is the global state; on the others it is
-        the param groups and a placeholder "state" that raises when used (frameworks that save
-        from one rank call ``state_dict()`` on every rank and drop the others' result). See
-        [Note: state dicts without consolidation]. Costs one :meth:`consolidate_state_dict` per
-        saving rank (none when no rank saves).
-        """
-        with on_device(self._default_device):
-            targets = ranks_with(saving, group=self.process_group)
-        mine = None
-        for to in targets:
-            self.consolidate_state_dict(to=to)
-            mine = self._saved.consolidated if to == self.rank else mine
-        self._saved.consolidated = mine
-        self._saved.saving_on = None if saving else targets
-
-    def state_dict(self) -> dict[str, Any]:
-        """The global state in torch.optim's format, as of the last :meth:`consolidate_state_dict`
-        (the param groups as they are now). Where nothing needs gathering it answers on any rank
-        (see [Note: state dicts without consolidation]).
-
-        Raises:
-            RuntimeError: the state was not consolidated on this rank.
-        """
-        state = self._saved.state(lambda: not self.optim.state, self._starts_stateless)
-        self.wait_params()
-        out = Optimizer.state_dict(cast(Optimizer, self))
-        out["state"] = state
-        return out
-
-    def _starts_stateless(self) -> bool:
-        return bool(
-            self._cached(
-                "starts_stateless",
-                lambda: starts_stateless(
-                    self._optim_constructor, self._optim_defaults, self._default_device
-                ),
-            )
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
-        torch.optim one over the same parameters): each rank keeps what it owns.
-
-        Raises:
-            ValueError: the param groups do not have this optimizer's sizes.
-        """
-        entries = saved_entries(state_dict, self.param_groups)
-        self._saved.changed(loaded_state=bool(state_dict["state"]))
-        copy_hyperparameters(state_dict["param_groups"], self.param_groups)
-        self._backend.load(state_dict["param_groups"], entries, wide_entries(state_dict))
-        copy_hyperparameters(self.param_groups, self.optim.param_groups)
-
-
-def _checked_rank(to: Any, world_size: int) -> tuple[None, dict[str, Any]]:
+def checked_rank(to: Any, world_size: int) -> tuple[None, dict[str, Any]]:
     """consolidate_state_dict's local check, and what must agree: ``to``."""
     check_rank("consolidate_state_dict", "to", to, world_size)
     return None, {"to": to}

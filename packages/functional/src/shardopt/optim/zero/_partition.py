@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from shardopt.core import Plan, plan_partition
-from shardopt.optim._zero_params import API
+from shardopt.optim.zero._params import API
 
 __all__ = [
     "copy_hyperparameters",

@@ -23,21 +23,21 @@ from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional import ShardedState, ShardedTransformation, shard
 from shardopt.functional.engine import ProcessGroup, init_values, probe_fields, shaped
 from shardopt.optim._core_mapping import plan_local_optimizer
-from shardopt.optim._zero_backend import reseat
-from shardopt.optim._zero_flat_state import (
+from shardopt.optim.zero._backend import reseat
+from shardopt.optim.zero._core_state import (
     consolidate_flat,
     load_flat,
     piece_entries,
 )
-from shardopt.optim._zero_params import API
+from shardopt.optim.zero._params import API
 
-__all__ = ["DDP_AVERAGED", "FlatShardOptimizer", "Wire", "torch_defaults"]
+__all__ = ["DDP_AVERAGED", "CoreShardOptimizer", "Wire", "torch_defaults"]
 
 
 Factory = Callable[..., Transformation]
 
 # [Note: the flat local optimizer]
-# With partition="flat", ``zero.optim`` is a FlatShardOptimizer. Each param group is one
+# With partition="flat", ``zero.optim`` is a CoreShardOptimizer. Each param group is one
 # ``shardopt.functional.shard(tx, plan_partition(group's params, W, strategy="flat"), stage=1)``,
 # ``tx`` being ``inject_hyperparams(factory, **hyperparameters)`` of the shardopt.core factory of
 # the torch.optim class (``plan_local_optimizer``) and the group's hyperparameters, which so live
@@ -192,7 +192,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
-class FlatShardOptimizer:
+class CoreShardOptimizer:
     """``ZeroRedundancyOptimizer.optim`` under ``partition="flat"`` (see [Note: the flat local
     optimizer]): one shardopt.functional shard per param group, torch.optim-like attributes."""
 
@@ -373,6 +373,6 @@ class FlatShardOptimizer:
     def __repr__(self) -> str:
         sizes = [0 if u is None else sum(p.numel() for p in u.pieces) for u in self._units]
         return (
-            f"FlatShardOptimizer({self.optimizer_class.__name__}, elements of this rank per "
+            f"CoreShardOptimizer({self.optimizer_class.__name__}, elements of this rank per "
             f"group: {sizes})"
         )
