@@ -112,10 +112,11 @@ def check_syncs(device: torch.device) -> list[Item]:
 # [Note: device throughput]
 # Item e asks how close the update's kernels come to the device's copy bandwidth. Timed one call
 # at a time from an idle device, a small update also counts the host's launch latency (the time
-# Python takes to reach the kernel), which is no property of the kernel: at 10M float32 elements
-# that was 0.150 ms for 0.094 ms of traffic on an H100. So each sample times CALLS back-to-back
-# calls between two events (the host queues them faster than the device runs them) and divides;
-# the copy it is compared with is timed the same way. The one-call latency is still reported.
+# Python takes to reach the kernel), which is no property of the kernel: on an H100 it was more
+# than the traffic's time at 10M float32 elements (measured: docs/performance.md). So each sample
+# times CALLS back-to-back calls between two events (the host queues them faster than the device
+# runs them) and divides; the copy it is compared with is timed the same way. The one-call
+# latency is still reported.
 CALLS = 10
 
 

@@ -163,11 +163,11 @@ def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
 # [Note: scalars computed once]
 # An update's per-piece scalars (Adam's bias corrections: float64 powers of the step count, a
 # schedule's learning rate) are 0-d tensors, which inductor inlines into the elementwise loop
-# that reads them: three float64 pow calls per vector of 8 floats made a compiled AdamW 3.6x
-# slower than torch's fused kernel on the CPU. A post-grad pass puts each 0-d value read by a
-# larger tensor behind ``shardopt::compiled_scalar`` (a copy, opaque to inductor), so it is
-# computed once per step in its own small kernel and the loop reads it from memory (4x faster
-# on 4M elements, the same operations in the same dtypes).
+# that reads them: three float64 pow calls per vector of 8 floats made a compiled AdamW several
+# times slower than torch's fused kernel on the CPU (measured: docs/performance.md). A post-grad
+# pass puts each 0-d value read by a larger tensor behind ``shardopt::compiled_scalar`` (a copy,
+# opaque to inductor), so it is computed once per step in its own small kernel and the loop
+# reads it from memory (the same operations in the same dtypes).
 
 _SCALAR = "compiled_scalar"
 

@@ -83,9 +83,9 @@ __all__ = ["Masters", "build_masters", "join_remainder", "split_remainder"]
 # 16-bit half is read or written once from memory; elsewhere a window bounds the temporary. Join:
 # x = sext(lo) + 65536 * sext(hi), which is (hi - borrow) << 16 joined to lo's bits. Split:
 # lo = the low 16 bits of x, hi = the low 16 bits of (x + 0x8000) >> 16. The arithmetic wraps
-# modulo 2^32, as torch's integer kernels do (only nan patterns reach the wrap). On 12.6M
-# elements, one thread: join 4.4 ms, split 5.4 ms, against 9.4 and 10.6 ms for strided int16
-# ops on the interleaved halves (see benchmarks/bench_master_remainders.py for the step).
+# modulo 2^32, as torch's integer kernels do (only nan patterns reach the wrap). Windowed
+# contiguous int32 ops take about half the time of strided int16 ops on the interleaved halves
+# (measured: docs/performance.md; benchmarks/bench_master_remainders.py times the step).
 
 
 _CPU_WINDOW = 1 << 18  # elements of one pass on the CPU: an int32 window fits in L2

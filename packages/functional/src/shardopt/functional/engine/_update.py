@@ -107,10 +107,9 @@ def probe_scope(plan: Plan, tree: PyTree) -> Scope:
 # (tensors are whole in one bucket), so a piece is updated exactly once and its step count
 # advances once. With ``register_param_hooks`` the gathers are left in flight when step returns
 # ([Note: deferred parameter sync]), to overlap the next forward, not the update: so the update
-# runs in one call first (no gather competes with it for the cores and memory bandwidth; on the
-# 12x1024 MLP under gloo, W = 2 / 4 on 2 cores, it took 7.0-7.2 / 7.3-8.9 ms so against
-# 9.8-10.4 / 10.2-11.7 ms pipelined), then the gathers are launched in bucket order, the order
-# the forward needs them. A state with tensors outside its per-piece fields
+# runs in one call first (no gather competes with it for the cores and memory bandwidth: faster
+# than pipelined; measured: docs/performance.md), then the gathers are launched in bucket order,
+# the order the forward needs them. A state with tensors outside its per-piece fields
 # cannot be cut by pieces; it is updated in one call, then gathered bucket by bucket. The
 # hyperparameters of an ``inject_hyperparams`` state do not count (a 0-d tensor lr included):
 # every bucket's call reads them, none writes them ([Note: hyperparameters of a sharded state]).
