@@ -1,7 +1,7 @@
-"""How each one-rank failure of tests/test_failure.py ends at W = 2 and 3, on any checkout: the
-last rank fails inside a shardopt API and stays alive for ``--hold`` seconds; the others either
-raise within 5 s (``named``: a RankFailedError naming the failing rank; ``together``: all raise
-another error at once, as DCP does) or do not (``hang``: they raise only when the failing rank
+"""How each one-rank failure of tests/engine/test_failure.py ends at W = 2 and 3, on any checkout:
+the last rank fails inside a shardopt API and stays alive for ``--hold`` seconds; the others
+either raise within 5 s (``named``: a RankFailedError naming the failing rank; ``together``: all
+raise another error at once, as DCP does) or do not (``hang``: they raise only when the failing rank
 leaves, or never within the world's timeout).
 
     PYTHONPATH=<checkout>/packages/core/src:<checkout>/packages/functional/src:... \\
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from shardopt.testing import spawn
 
-DEFAULT = "packages/functional/tests/test_failure.py"
+DEFAULT = "packages/functional/tests/engine/test_failure.py"
 LIMIT_S = 5.0
 
 

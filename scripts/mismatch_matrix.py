@@ -17,7 +17,7 @@ from _test_module import load_test_module
 
 from shardopt.testing import spawn
 
-DEFAULT = "packages/functional/tests/test_agreement.py"
+DEFAULT = "packages/functional/tests/engine/test_agreement.py"
 
 
 def outcome(mod: object, api: str, outs: list[tuple[str, float]]) -> str:
