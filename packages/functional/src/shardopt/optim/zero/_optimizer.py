@@ -188,6 +188,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params: list[torch.Tensor] = list(all_params)
         self._default_device = self._all_params[0].device
         self._backend = self._new_backend(bucket_view)
+        backend = self._backend  # the DDP hooks' capability, checked once (not per bucket)
+        self._overlap_backend = backend if isinstance(backend, OverlapBackend) else None
         return {
             "optimizer_class": self._optim_constructor,
             "partition": self._partition.value,
@@ -269,9 +271,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._overlap("_sync_params_of").sync_params_of(params, async_op=async_op)
 
     def _overlap(self, name: str) -> OverlapBackend:
-        if not isinstance(self._backend, OverlapBackend):
+        if self._overlap_backend is None:
             raise RuntimeError(f"{API}.{name}: expected partition='greedy', got 'flat'")
-        return self._backend
+        return self._overlap_backend
 
     @fails_together(f"{API}.add_param_group")
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -378,7 +380,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def layout(self) -> FlatLayout | None:
         """The engine of the greedy partition with bucket views (None otherwise)."""
-        return self._backend.layout if isinstance(self._backend, OverlapBackend) else None
+        return None if self._overlap_backend is None else self._overlap_backend.layout
 
     # -- state dicts ([Note: state dicts without consolidation]) -------------------------------
 
