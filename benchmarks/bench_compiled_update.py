@@ -18,8 +18,9 @@ eagerly through its fused flat rule):
 Each round steps every variant once, in an order rotated round by round; a round's time is the
 slowest rank's, and each ratio is taken per round. Printed per world size: median milliseconds,
 the median ratio with quartiles, the median ratio per repeat (its spread over ``--repeats``), the
-first step's time of each compiled variant (its compile) and the graphs compiled after the first
-step by the compiled chain over at least 100 steps of its schedule (recompiles).
+first step's time of each compiled variant (its compile) and the graphs it compiled (1: no graph
+break), and the graphs compiled after the first step by the compiled chain over at least 100
+steps of its schedule (recompiles).
 
     python benchmarks/bench_compiled_update.py [--worlds 1 2] [--rounds 20] [--repeats 2]
     python benchmarks/bench_compiled_update.py --quick
@@ -148,16 +149,16 @@ def measure(
         built["steps"][chain]()
     update = compiled_update(built["boxes"][chain]["state"].layout)
     compiled = [n for n in names if VARIANTS[n][1]]
-    fallbacks = {
-        n: compiled_update(built["boxes"][n]["state"].layout).fallback  # type: ignore[union-attr]
-        for n in compiled
-    }
+    updates = {n: compiled_update(built["boxes"][n]["state"].layout) for n in compiled}
+    fallbacks = {n: u.fallback for n, u in updates.items()}  # type: ignore[union-attr]
+    graphs = {n: u.graphs for n, u in updates.items()}  # type: ignore[union-attr]
     return {
         "times": times,
         "first": {n: built["first"][n] for n in compiled},
         "recompiles": None if update is None else update.recompiles,
         "steps": max(SCHEDULE_STEPS, rounds + WARMUP) + 1,
         "fallbacks": fallbacks,
+        "graphs": graphs,
     }
 
 
@@ -167,7 +168,7 @@ def run(
     ratios: dict[str, list[float]] = {n: [] for n in VARIANTS}
     per_repeat: dict[str, list[float]] = {n: [] for n in VARIANTS}
     medians: dict[str, list[float]] = {n: [] for n in VARIANTS}
-    firsts, recompiles, fallbacks = [], [], []
+    firsts, recompiles, fallbacks, graphs = [], [], [], []
     for _ in range(repeats):
         backend = "nccl" if device == "cuda" else "gloo"
         per_rank = spawn(
@@ -185,6 +186,7 @@ def run(
         firsts.append({n: max(r["first"][n] for r in per_rank) for n in per_rank[0]["first"]})
         recompiles.append(max(r["recompiles"] for r in per_rank))
         fallbacks.append(per_rank[0]["fallbacks"])
+        graphs.append({n: max(r["graphs"][n] for r in per_rank) for n in per_rank[0]["graphs"]})
     return {
         "world_size": world,
         "device": device,
@@ -200,6 +202,7 @@ def run(
         "recompiles_per_repeat": recompiles,
         "schedule_steps": per_rank[0]["steps"],
         "fallbacks": fallbacks,
+        "graphs_per_repeat": graphs,
     }
 
 
@@ -236,6 +239,7 @@ def main() -> None:
             f"recompiles of the compiled chain over {r['schedule_steps']} steps of its schedule: "
             f"{r['recompiles_per_repeat']}; fallbacks: {r['fallbacks']}"
         )
+        print(f"graphs compiled by the first step: {r['graphs_per_repeat']}")
     write_results(args.out, rows)
 
 

@@ -55,10 +55,19 @@ __all__ = [
 # step never recompiles (checked: 0 graphs compiled over 100 steps of a warmup-cosine schedule).
 # A step where some piece has no gradient runs eagerly (a None would change the graph's inputs).
 #
-# Master remainders ([Note: master remainders] in _masters.py) are joined, updated and split
-# inside the same region: the function reads the bfloat16 parameter and the int16 remainder of
-# each piece and writes both back, with no float32 temporary in memory. Float32 masters are
-# updated in place as in the eager path, then rounded into the parameters before each gather.
+# Float32 masters are updated in place as in the eager path, then rounded into the parameters
+# before each gather. Master remainders: [Note: remainders in the graph].
+#
+# [Note: remainders in the graph]
+# On CUDA, master remainders ([Note: master remainders] in _masters.py) are joined, updated and
+# split inside the region: the function reads the bfloat16 parameter and the int16 remainder of
+# each piece and writes both back, with no float32 temporary in memory. On the CPU they are not:
+# inductor's C++ code has no vectors of 16-bit integers (int16 is not among its vectorizable
+# dtypes), so a loop that loads or stores the remainders runs one element at a time, and the
+# fused step took 2.1x the float32 masters' (eager remainders: 1.5x). There the remainder groups
+# are joined into float32 views before the call, as the eager path does (vectorized windows),
+# updated by the compiled region, and split before each gather (``joins_in_graph``; measured:
+# docs/performance.md).
 #
 # Equality with the eager path. It is not bitwise in general, and not within 1 ulp: torch's
 # eager CPU kernels fuse a multiply and an add (``lerp``, ``addcmul``, ``add`` with ``alpha``)
@@ -255,17 +264,20 @@ def _graphs() -> int:
 class CompiledUpdate:
     """The compiled update of one layout (see [Note: compiled updates]).
 
-    ``compile_seconds``: the first step's time (compiling included); ``recompiles``: graphs
-    compiled by later steps (0 unless the inputs changed, e.g. a new pattern of None
-    gradients); ``fallback``: why it runs eagerly, or None.
+    ``compile_seconds``: the first step's time (compiling included); ``graphs``: graphs compiled
+    by the first step (1 where nothing broke the graph); ``recompiles``: graphs compiled by later
+    steps (0 unless the inputs changed, e.g. a new pattern of None gradients); ``fallback``: why
+    it runs eagerly, or None.
     """
 
     def __init__(self, tx: Transformation, layout: FlatLayout, scope: Scope | None) -> None:
         self.layout, self.calls = layout, 0
         self.compile_seconds: float | None = None
-        self.recompiles = 0
+        self.graphs = self.recompiles = 0
         self.fallback: str | None = None
         self.scope = scope
+        device = layout.buffers[0].device if layout.buffers else torch.device("cpu")
+        self.joins_in_graph = device.type != "cpu"  # [Note: remainders in the graph]
         self._fn = _compile(_own_code(_body(tx)))
 
     @property
@@ -301,11 +313,14 @@ class CompiledUpdate:
         remainder of a piece whose master is a remainder."""
         targets = list(params)
         rems: list[torch.Tensor | None] = [None] * len(params)
+        if not self.joins_in_graph:  # joined eagerly, split by write_back before each gather
+            keys = [k for k in self.layout.keys if isinstance(master.groups[k[0]], RemainderMaster)]
+            master.views_for_update(targets, keys)
         for i, p in enumerate(self.layout.pieces):
             group = master.groups[p.group]
             if isinstance(group, StoredMaster):
                 targets[i] = group.stored[p.offset : p.offset + p.numel]
-            elif isinstance(group, RemainderMaster):
+            elif isinstance(group, RemainderMaster) and self.joins_in_graph:
                 rems[i] = group.stored[p.offset : p.offset + p.numel]
         return targets, rems
 
@@ -322,13 +337,14 @@ class CompiledUpdate:
         mutable += [x for x in tree_leaves(inner) if isinstance(x, torch.Tensor)]
         saved = [t.clone() for t in mutable]
         error: BaseException | None = None
-        start = time.perf_counter()
+        start, before = time.perf_counter(), _graphs()
         try:
             with torch.no_grad():
                 self._fn(targets, rems, grads, inner)
         except Exception as exc:  # any failure to compile: eager, after restoring
             error = exc
         self.compile_seconds = time.perf_counter() - start
+        self.graphs = _graphs() - before
         self.calls = 1
         if _agreed(error is not None, self.layout):
             with torch.no_grad():
