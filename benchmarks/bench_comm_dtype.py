@@ -121,7 +121,7 @@ def _shard_error(run: list, local: list[torch.Tensor], exact: list[torch.Tensor]
     run[2] = state = sharded.step(copies, [g.clone() for g in local], state)
     layout, err2, ref2 = state.layout, 0.0, 0.0
     for p in layout.pieces:
-        got = layout.grad_shards[p.group][p.offset : p.offset + p.numel].double()
+        got = state.reducer.shards[p.group][p.offset : p.offset + p.numel].double()
         want = exact[p.tensor].reshape(-1)[p.start : p.stop]
         err2 += float((got - want).square().sum())
         ref2 += float(want.square().sum())

@@ -6,7 +6,7 @@ stack when the next ``backward`` launches a gradient's reduction (``reduce_scatt
 when the next ``step`` calls the kernel that reads the reduced shard and writes the parameter
 (torch's fused Adam or a ``_foreach_`` op). Printed: the union of those stacks' files and
 functions, outermost first: the gradient's path from its hook, and from ``step``, to the
-updated parameter.
+updated parameter; and the calls back up (a call into a file that the path had already left).
 
     python scripts/gradient_path.py
 """
@@ -62,6 +62,19 @@ def stacks() -> Iterator[list[list[tuple[str, str]]]]:
         sys.setprofile(None)
 
 
+def calls_back_up(stack: list[tuple[str, str]]) -> list[str]:
+    """The calls of ``stack`` (outermost first) that return into a file the path already left:
+    a lower file calling up into the caller's (a callback, or a wrapper)."""
+    left: set[str] = set()
+    out = []
+    for (path, _), (nxt, name) in zip(stack, stack[1:]):
+        if nxt != path:
+            left.add(path)
+            if nxt in left:
+                out.append(f"{path} -> {nxt}:{name}")
+    return out
+
+
 def main() -> None:
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -84,7 +97,9 @@ def main() -> None:
                 files.append(path)
             if (path, name) not in frames:
                 frames.append((path, name))
+    back_up = sorted({call for stack in seen for call in calls_back_up(stack)})
     print(f"files ({len(files)}): {' -> '.join(files)}")
+    print(f"calls back up ({len(back_up)}): {', '.join(back_up) or 'none'}")
     print(f"functions ({len(frames)}): {' -> '.join(f'{p}:{n}' for p, n in frames)}")
     dist.destroy_process_group()
 

@@ -1,9 +1,14 @@
-"""The dependency direction inside shardopt.functional: the engine imports nothing above it."""
+"""The dependency direction inside shardopt.functional: the engine imports nothing above it, no
+class mixes in one of ours, and a stage-2 gradient's path goes one way through few files."""
 
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -78,3 +83,20 @@ def test_no_class_mixes_in_a_class_of_ours() -> None:
     ]
     assert len(SOURCES) > 100, SOURCES
     assert mixed == [], mixed
+
+
+def test_a_stage_2_gradient_crosses_at_most_8_files_and_no_call_goes_back_up() -> None:
+    """``scripts/gradient_path.py`` traces a stage-2 gradient from its hook, and ``step``, to
+    the updated parameter (issue 39: 9 files and 2 calls back up before the gradient half left
+    the layout and the update drove its own gather loop)."""
+    script = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "gradient_path.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = re.search(r"^files \((\d+)\)", out.stdout, re.MULTILINE)
+    back = re.search(r"^calls back up \((\d+)\): (.*)$", out.stdout, re.MULTILINE)
+    assert files is not None and back is not None, out.stdout
+    assert int(files.group(1)) <= 8, out.stdout
+    assert int(back.group(1)) == 0, back.group(2)

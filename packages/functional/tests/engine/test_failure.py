@@ -137,7 +137,7 @@ def grad_hooks_oom(failing: bool) -> Act:
     state = sharded.init(params)
     register_grad_hooks(params, state)
     if failing:  # the reduction's staging cannot be allocated
-        state.layout.start_grad_sync = lambda *a, **k: (_ for _ in ()).throw(_oom())
+        state.reducer.grads.start_reduce = lambda *a, **k: (_ for _ in ()).throw(_oom())
     return lambda: _backward(model)
 
 

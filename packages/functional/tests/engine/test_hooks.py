@@ -183,7 +183,7 @@ def reduced_when_backward_returns(rank: int, world: int, stage: int) -> tuple[bo
     register_grad_hooks(params, state)
     gen = torch.Generator().manual_seed(rank)
     net(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
-    pending = state.layout.grads_pending
+    pending = state.reducer.grads.pending
     shards = [s.clone() for s in state.reducer.shards]  # read before anything else waits
     for r in range(world):
         gen = torch.Generator().manual_seed(r)

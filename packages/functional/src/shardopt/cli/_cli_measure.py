@@ -72,13 +72,14 @@ def measure_sharded(params: Iterable[torch.Tensor], state: Any) -> RankBytes:
     staging buffers.
     """
     params = list(params)
-    shards = [s for s in state.layout.grad_shards if s is not None]
+    grads = None if state.reducer is None else state.reducer.grads
+    shards, staging = ((), ()) if grads is None else (grads.allocated_shards, grads.staging)
     return RankBytes(
         params=storage_bytes(params),
         grads=storage_bytes([p.grad for p in params]) + storage_bytes(shards),
         optimizer=storage_bytes(_tensor_leaves((state.inner, [f.buffers for f in state.fields]))),
         master=storage_bytes(state.master.stored),  # int16 where remainders: 2 bytes each
-        buffers=storage_bytes(state.layout.staging),
+        buffers=storage_bytes(staging),
     )
 
 

@@ -20,7 +20,7 @@ from shardopt.functional.engine._clip import (
 )
 from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._compiled import planned_update
-from shardopt.functional.engine._failure import fails_together
+from shardopt.functional.engine._failure import failing_together, fails_together
 from shardopt.functional.engine._hooks import GradReducer
 from shardopt.functional.engine._layout import FlatLayout, build_layout
 from shardopt.functional.engine._masters import Masters, build_masters
@@ -187,9 +187,9 @@ def shard(
             state.layout.scope.reducer.set_tensor_parallel(tp.group, split)
         return state
 
-    @fails_together("shard.step")
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
-        return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
+        with failing_together("shard.step"):  # a block: the step's path stays in this file
+            return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
 
     return ShardedTransformation(init, step)
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
 import time
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 __all__ = [
+    "failing_together",
     "RankFailedError",
     "completed",
     "error_text",
@@ -267,28 +269,37 @@ def _peer_failure_now() -> dict[str, Any] | None:
     return _published_by_another()
 
 
+@contextlib.contextmanager
+def failing_together(api: str) -> Iterator[None]:
+    """Runs its body under [Note: failing together]: an exception leaving it is published for
+    the other ranks, then raised here. (A ``with`` block, not a wrapper: the body's own calls
+    stay in its file, so a traced path does not pass through this one.)"""
+    if not _state["enabled"]:
+        yield
+        return
+    _withdraw()
+    _apis.append(api)
+    try:
+        yield
+    except RankFailedError:
+        raise
+    except BaseException as exc:
+        if not exc.__dict__.get("_shardopt_published"):
+            exc.__dict__["_shardopt_published"] = True
+            publish(api, exc)
+        raise
+    finally:
+        _apis.pop()
+
+
 def fails_together(api: str) -> Callable[[F], F]:
-    """Runs the decorated API under [Note: failing together]: an exception leaving it is
-    published for the other ranks, then raised here."""
+    """Runs the decorated API under [Note: failing together] (``failing_together``)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _state["enabled"]:
+            with failing_together(api):
                 return fn(*args, **kwargs)
-            _withdraw()
-            _apis.append(api)
-            try:
-                return fn(*args, **kwargs)
-            except RankFailedError:
-                raise
-            except BaseException as exc:
-                if not exc.__dict__.get("_shardopt_published"):
-                    exc.__dict__["_shardopt_published"] = True
-                    publish(api, exc)
-                raise
-            finally:
-                _apis.pop()
 
         return wrapper  # type: ignore[return-value]
 

@@ -10,8 +10,9 @@ import torch
 from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled_wait import compiled_wait, hook_ancestors
-from shardopt.functional.engine._failure import fails_together
+from shardopt.functional.engine._failure import failing_together
 from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._reduction import GradShards
 
 __all__ = [
     "GradHooks",
@@ -95,7 +96,8 @@ __all__ = [
 
 
 class GradReducer:
-    """Averages local gradients into the layout's gradient shards, bucket by bucket.
+    """Averages local gradients into its gradient shards (``grads``, [Note: gradient shards] in
+    _reduction.py), bucket by bucket.
 
     Owned by the state of :func:`~shardopt.functional.shard` when it reduces gradients (stage 2,
     and stage 1 without ``grads_averaged``); see [Note: overlap with backward] and
@@ -105,6 +107,7 @@ class GradReducer:
 
     def __init__(self, layout: FlatLayout, *, free_grads: bool) -> None:
         self.layout = layout
+        self.grads = GradShards(layout)
         self.free_grads = free_grads
         self.order = tuple(reversed(layout.keys))
         self.present = [False] * len(layout.plan.tensors)
@@ -116,7 +119,7 @@ class GradReducer:
     @property
     def shards(self) -> tuple[torch.Tensor, ...]:
         """This rank's averaged gradient shard of each group (compact)."""
-        return self.layout.ensure_grad_shards()
+        return self.grads.shards
 
     @property
     def hooked(self) -> bool:
@@ -126,7 +129,7 @@ class GradReducer:
     def reduce(self, grads: Sequence[torch.Tensor | None]) -> list[bool]:
         """Reduces full local ``grads`` (one per plan tensor) and returns which were present."""
         for key in self.order:
-            self.layout.start_grad_sync(key, grads.__getitem__, accumulate=self.accumulate)
+            self.grads.start_reduce(key, grads, accumulate=self.accumulate)
         self.present = [g is not None for g in grads]
         return self.finish()
 
@@ -134,7 +137,7 @@ class GradReducer:
         """Waits for every reduction in flight; returns which tensors had gradients, and resets."""
         if self._queued:
             raise RuntimeError("shard: step called during a backward pass")
-        self.layout.finish_grad_sync()
+        self.grads.finish_reduce()
         present, self.present = self.present, [False] * len(self.present)
         self.accumulate = False
         return present
@@ -169,29 +172,31 @@ class GradReducer:
         params = self._params
         trainable = [p.requires_grad for p in params] if params else [False] * len(self.present)
         self._ready = [False] * len(self.present)
-        self.layout.expect_grads(trainable)  # the layout counts each bucket's readiness
+        self.grads.expect(trainable)  # counts each bucket's readiness
         self._queued = False
         self._hooks_run = 0
         self._launches: list[tuple[int, int]] = []  # (hooks run before it, elements)
 
-    @fails_together("register_grad_hooks")
     def _on_grad(self, i: int) -> None:
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._queued = True
-        self._ready[i] = self.present[i] = True
-        self._hooks_run += 1
-        self.layout.register_grad_ready(
-            i, self._ready_grad, accumulate=self.accumulate, started=self._started
-        )
+        with failing_together("register_grad_hooks"):
+            if not self._queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._queued = True
+            self._ready[i] = self.present[i] = True
+            self._hooks_run += 1
+            for key in self.grads.mark_ready(i):
+                self._launch(key)
 
-    def _started(self, key: BucketKey) -> None:
-        """After bucket ``key``'s reduction is launched: counts it, and (stage 2) frees the
-        full gradients it packed."""
+    def _launch(self, key: BucketKey) -> None:
+        """Launches bucket ``key``'s reduction, counts it, and (stage 2) frees the full
+        gradients it packed."""
         assert self._params is not None
+        tensors = self.layout.bucket_tensors[key]
+        grads = {t: self._ready_grad(t) for t in tensors}
+        self.grads.start_reduce(key, grads, accumulate=self.accumulate)
         self._launches.append((self._hooks_run, self.layout.bucket(key).numel))
         if self.free_grads:
-            for t in self.layout.bucket_tensors[key]:
+            for t in tensors:
                 if self._ready[t]:
                     self._params[t].grad = None  # packed: free it
 
@@ -202,17 +207,16 @@ class GradReducer:
             return None  # (stage 1: .grad, the sum of the step's passes so far)
         return None if grad is None else local_tensor(grad)
 
-    @fails_together("register_grad_hooks")
     def _end_of_backward(self) -> None:
-        self.layout.start_remaining_grad_syncs(
-            self._ready_grad, accumulate=self.accumulate, started=self._started
-        )
-        self.layout.finish_grad_sync()  # backward returns with the shards complete, as DDP's
-        total = sum(n for _, n in self._launches)
-        early = sum(n for run, n in self._launches if run < self._hooks_run)
-        self.launched_early = early / total if total else 0.0
-        self._reset_pass()
-        self.accumulate = self.free_grads  # stage 1 reduces the running sum: replace
+        with failing_together("register_grad_hooks"):
+            for key in self.grads.unstarted():
+                self._launch(key)
+            self.grads.finish_reduce()  # backward returns with the shards complete, as DDP's
+            total = sum(n for _, n in self._launches)
+            early = sum(n for run, n in self._launches if run < self._hooks_run)
+            self.launched_early = early / total if total else 0.0
+            self._reset_pass()
+            self.accumulate = self.free_grads  # stage 1 reduces the running sum: replace
 
 
 class GradHooks:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -10,46 +10,36 @@ import torch
 from shardopt.core import Plan
 from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey, BucketMap
-from shardopt.functional.engine._collectives import (
-    Algorithm,
-    Pending,
-    PendingQueue,
-    ProcessGroup,
-)
-from shardopt.functional.engine._reduction import PlainReduction, Reduction, WireReduction
-from shardopt.functional.engine._staging import GradStaging
+from shardopt.functional.engine._collectives import Algorithm, Pending, ProcessGroup
 from shardopt.functional.engine._storage import FlatStorage, ParamStorage, StagedStorage
 
 __all__ = ["BucketKey", "FlatLayout", "build_layout"]
 
 # [Note: engine]
-# One FlatLayout per sharded optimizer owns everything that moves parameters or gradients: the
-# flat parameter buffer of each plan group (the parameters are views of it, see
-# [Note: flat storage]), the buckets the plan cut it into, this rank's gradient shards, the
-# staging of gradient reductions, and the collectives in flight. Everything else maps ranges of
-# it: the update reads and writes piece views, the hooks say when a bucket is ready, checkpoints
-# read the shards. Its collectives are per bucket and never leave the bucket's memory:
+# One FlatLayout per sharded optimizer owns what moves parameters: the flat parameter buffer of
+# each plan group (the parameters are views of it, see [Note: flat storage]), the buckets the
+# plan cut it into, and the parameter gathers in flight. The gradient half (this rank's gradient
+# shards, their staging, the bucket reductions and readiness) is ``GradShards`` ([Note: gradient
+# shards] in _reduction.py), owned by the gradient reducer; it reads the layout's buckets and
+# options. Everything else maps ranges of them: the update reads and writes piece views,
+# checkpoints read the shards. Every collective is per bucket and never leaves the bucket's
+# memory:
 #
-# - parameter sync (``start_param_sync`` / ``wait_params``): the bucket's region of the buffer
-#   is all-gathered in place, each rank's input being its own shard of it (bucket-major layout,
-#   [Note: plan layout] in shardopt.core). No staging, no copy.
-# - gradient sync (``start_grad_sync`` / ``finish_grad_sync``): a bucket's tensors are whole and
-#   adjacent, so their local gradients are packed end to end into a staging buffer of the
-#   bucket's size (zeros for padding and for missing gradients), reduce-scattered in place, and
-#   the rank's shard of the sum, divided by W, lands in its gradient shard (copied, or added to
-#   accumulate). See [Note: gradient staging] in _staging.py.
-# - readiness (``expect_grads`` / ``register_grad_ready``): during backward the layout counts the
-#   gradients each bucket still waits for and launches each bucket's gradient sync as soon as it
-#   and every later bucket are ready ([Note: overlap with backward] in _hooks.py).
+# - parameter sync (``start_param_sync`` / ``finish_param_syncs``, ``wait_params`` for some
+#   buckets): the bucket's region of the buffer is all-gathered in place, each rank's input being
+#   its own shard of it (bucket-major layout, [Note: plan layout] in shardopt.core). No staging,
+#   no copy. The caller's loop runs them in bucket order (``sync_params`` is that loop with
+#   nothing between buckets; the update's loop writes each bucket's pieces just before).
+# - gradient reduction: ``GradShards.start_reduce`` / ``finish_reduce``.
 #
 # Where the parameters live is the layout's storage, chosen when it is built ([Note: parameter
 # storage] in _storage.py): views of the flat buffers, or their own storage synced through
 # staging rows.
 #
 # Collectives must be entered in the same order on every rank. Parameter syncs run in bucket
-# order (the next forward needs the first buckets first); gradient syncs in reverse bucket order
-# (backward produces the last gradients first), each launched as soon as its bucket and every
-# later one are ready (see [Note: overlap with backward] in _hooks.py).
+# order (the next forward needs the first buckets first); gradient reductions in reverse bucket
+# order (backward produces the last gradients first), each launched as soon as its bucket and
+# every later one are ready (see [Note: overlap with backward] in _hooks.py).
 #
 # [Note: flat storage]
 # ``build_layout`` copies each parameter into its place in its group's buffer and sets ``p.data``
@@ -76,11 +66,11 @@ __all__ = ["BucketKey", "FlatLayout", "build_layout"]
 
 
 class FlatLayout(BucketMap):
-    """The flat buffers of a plan on one rank, and their bucketed collectives.
+    """The flat parameter buffers of a plan on one rank, and their bucketed gathers.
 
     See [Note: engine]. ``buffers[g]`` is the parameter buffer of ``plan.groups[g]``,
-    ``pieces`` is ``plan.pieces(rank)``, ``grad_shards[g]`` this rank's compact gradient shard
-    (None until a gradient sync needs it).
+    ``pieces`` is ``plan.pieces(rank)``. The gradient options (``reduce_dtype``,
+    ``comm_dtype``, ``replicate``) are read by its ``GradShards``.
     """
 
     def __init__(
@@ -108,27 +98,12 @@ class FlatLayout(BucketMap):
         self._storage = storage or FlatStorage(
             plan, self.buffers, group=group, algorithm=self.algorithm
         )
-        self._reduction = self._reduction_for(comm_dtype)  # [Note: wire dtype]
-        self.grad_shards: tuple[torch.Tensor | None, ...] = (None,) * len(plan.groups)
-        self._grad_staging: GradStaging | None = None
-        self._grads = PendingQueue()
-        self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
         self.scope: Any = None  # the update's core Scope, set by shard's init
-        self._next_grad = 0  # the next bucket to launch, in reverse bucket order
         self._params: dict[BucketKey, Pending] = {}
         self._order = {key: i for i, key in enumerate(self.keys)}
         # The buckets keys[:synced] have no parameter sync in flight (the sync frontier).
         self.synced = len(self.keys)
         self._deferring = 0  # registered param hooks: step leaves its gathers in flight
-
-    def _reduction_for(self, comm_dtype: torch.dtype | None) -> Reduction:
-        """The gradient reduction (chosen once): on a ``comm_dtype`` wire, summed in
-        ``reduce_dtype`` or the wider of float32 and each group's dtype; else plain."""
-        if comm_dtype is None:
-            return PlainReduction(self.group, self.replicate, self.algorithm)
-        dtypes = [getattr(torch, g.dtype) for g in self.plan.groups]
-        sums = tuple(self.reduce_dtype or torch.promote_types(torch.float32, d) for d in dtypes)
-        return WireReduction(self.group, self.replicate, comm_dtype, sums)
 
     def set_places(self, tensor_parallel: Any, global_places: Any) -> None:
         """Where the tensors lie beyond this group (``shard``'s init sets them once): their
@@ -185,144 +160,23 @@ class FlatLayout(BucketMap):
         """Whether some parameter sync is still in flight."""
         return bool(self._params)
 
-    def sync_params(self, prepare: Callable[[BucketKey], None] | None = None) -> None:
-        """Every bucket's parameter sync, launched in bucket order (``prepare(key)`` just before
-        bucket ``key``'s), and waited for unless param hooks defer it ([Note: deferred parameter
-        sync]): the one loop of every parameter sync."""
-        for key in self.keys:
-            if prepare is not None:
-                prepare(key)
-            self.start_param_sync(key)
+    def finish_param_syncs(self) -> None:
+        """Waits for every parameter sync in flight, unless param hooks defer them ([Note:
+        deferred parameter sync]): the end of a loop of ``start_param_sync`` in bucket order."""
         if not self.deferred:
             self.wait_params()
+
+    def sync_params(self) -> None:
+        """Every bucket's parameter sync, in bucket order, then ``finish_param_syncs``."""
+        for key in self.keys:
+            self.start_param_sync(key)
+        self.finish_param_syncs()
 
     def start_tensor_sync(self, tensors: Sequence[int]) -> list[Pending]:
         """Launches the sync of whole plan ``tensors`` (greedy plan) from their owners, outside
         the bucket order (the DDP comm hooks'); every rank passes the same ``tensors``. Returns
         the handles, whose ``wait()`` completes them."""
         return self._storage.send_tensors(tensors)
-
-    # -- gradient sync -------------------------------------------------------------------------
-
-    def ensure_grad_shards(self) -> tuple[torch.Tensor, ...]:
-        """The compact gradient shards (allocated, zero, on first use)."""
-        if any(s is None for s in self.grad_shards):
-            self.grad_shards = tuple(
-                torch.zeros(
-                    grp.shard_numels[self.rank],
-                    dtype=self.reduce_dtype or self.buffers[g].dtype,
-                    device=self.buffers[g].device,
-                )
-                for g, grp in enumerate(self.plan.groups)
-            )
-        return self.grad_shards  # type: ignore[return-value]
-
-    @property
-    def staging(self) -> tuple[torch.Tensor, ...]:
-        """The gradient staging buffers allocated so far (see :func:`staging_numel`)."""
-        return () if self._grad_staging is None else self._grad_staging.allocated
-
-    def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor, Hashable]:
-        """Bucket ``key``'s staging, its reduction's scratch (maybe empty) and their tag."""
-        if self._grad_staging is None:
-            groups = range(len(self.plan.groups))
-            dtypes = tuple(
-                self.comm_dtype or self.reduce_dtype or self.buffers[g].dtype for g in groups
-            )
-            devices = tuple(self.buffers[g].device for g in groups)
-            self._grad_staging = GradStaging(
-                self.plan,
-                dtypes,
-                devices,
-                self.algorithm,
-                self.group,
-                widened=self._reduction.widened,
-            )
-        return self._grad_staging.take(key, self._grads)
-
-    def start_grad_sync(
-        self, key: BucketKey, grad_of: Callable[[int], torch.Tensor | None], *, accumulate: bool
-    ) -> None:
-        """Packs bucket ``key``'s local gradients and launches their reduce-scatter into this
-        rank's gradient shard (added to it with ``accumulate``). See [Note: engine]."""
-        shards = self.ensure_grad_shards()
-        bucket = self.bucket(key)
-        staging, scratch, tag = self._staging_for(key)
-        for lo, hi in self.gaps[key]:  # padding: zeros (touched only here, not the whole slot)
-            staging[lo:hi].zero_()
-        for t, lo, n in self.packing[key]:
-            grad = grad_of(t)
-            if grad is None:
-                staging[lo : lo + n].zero_()
-            else:
-                staging[lo : lo + n].copy_(grad.reshape(-1))
-        out = self.compact(shards, key)
-        part = out if self.replicate is None else torch.empty_like(out)
-        reduction, g = self._reduction, key[0]
-        pending = reduction.bucket(
-            g, staging, bucket, part, accumulate=accumulate and part is out, scratch=scratch
-        )
-        if part is not out:
-            pending = reduction.across(g, pending, part, out, accumulate=accumulate)
-        self._grads.push(tag, pending)
-
-    @property
-    def grads_pending(self) -> bool:
-        """Whether some gradient sync is still in flight."""
-        return len(self._grads) > 0
-
-    def finish_grad_sync(self) -> None:
-        """Waits for every gradient sync in flight (their shards are then complete)."""
-        self._grads.wait_all()
-
-    # -- readiness -----------------------------------------------------------------------------
-
-    def expect_grads(self, trainable: Sequence[bool]) -> None:
-        """Starts counting a backward pass: each bucket waits for the gradients of its tensors
-        ``t`` with ``trainable[t]``."""
-        self._expected = {
-            key: sum(1 for t in self.bucket_tensors[key] if trainable[t]) for key in self.keys
-        }
-        self._next_grad = 0
-
-    def register_grad_ready(
-        self,
-        t: int,
-        grad_of: Callable[[int], torch.Tensor | None],
-        *,
-        accumulate: bool,
-        started: Callable[[BucketKey], None],
-    ) -> None:
-        """Counts plan tensor ``t``'s gradient ready; starts, in reverse bucket order, the
-        gradient sync of every bucket whose gradients are all ready and whose later buckets are
-        started, calling ``started(key)`` after each."""
-        self._expected[self.touching[t]] -= 1
-        order = self.keys[::-1]
-        while self._next_grad < len(order) and self._expected[order[self._next_grad]] == 0:
-            self._start_next_grad_sync(grad_of, accumulate, started)
-
-    def start_remaining_grad_syncs(
-        self,
-        grad_of: Callable[[int], torch.Tensor | None],
-        *,
-        accumulate: bool,
-        started: Callable[[BucketKey], None],
-    ) -> None:
-        """Starts the gradient sync of every bucket not started in this pass (the end of a
-        backward pass, where some tensors had no gradient)."""
-        while self._next_grad < len(self.keys):
-            self._start_next_grad_sync(grad_of, accumulate, started)
-
-    def _start_next_grad_sync(
-        self,
-        grad_of: Callable[[int], torch.Tensor | None],
-        accumulate: bool,
-        started: Callable[[BucketKey], None],
-    ) -> None:
-        key = self.keys[len(self.keys) - 1 - self._next_grad]
-        self._next_grad += 1
-        self.start_grad_sync(key, grad_of, accumulate=accumulate)
-        started(key)
 
 
 def _check_buffers(plan: Plan, buffers: Sequence[torch.Tensor]) -> None:

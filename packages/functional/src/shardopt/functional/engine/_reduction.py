@@ -1,17 +1,22 @@
-"""Gradient reductions, a strategy chosen once per layout: sums in the staging's dtype, or a
-narrower wire with wider sums."""
+"""The gradient side of the engine: this rank's gradient shards, the staging their buckets are
+packed in, the reduce-scatters that fill them, and each bucket's readiness (``GradShards``);
+the reduction strategy chosen once: sums in the staging's dtype, or a narrower wire with wider
+sums."""
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from shardopt.core import Bucket
+from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._collectives import (
     Algorithm,
     Pending,
+    PendingQueue,
     ProcessGroup,
     all_gather_rows,
     average_across,
@@ -19,8 +24,28 @@ from shardopt.functional.engine._collectives import (
     scratch_of,
 )
 from shardopt.functional.engine._failure import completed
+from shardopt.functional.engine._staging import GradStaging
 
-__all__ = ["PlainReduction", "Reduction", "WireReduction", "replica_chunks"]
+if TYPE_CHECKING:
+    from shardopt.functional.engine._layout import FlatLayout
+
+__all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replica_chunks"]
+
+# [Note: gradient shards]
+# The gradient half of the engine, apart from the parameter half (``FlatLayout``) and owned by
+# the one that reduces: ``GradReducer`` in _hooks.py (a sharded state that reduces gradients
+# has one; stage 1 with ``grads_averaged`` has none). It reads the layout's buckets and options
+# (group, algorithm, ``reduce_dtype``, ``comm_dtype``, ``replicate``) and never calls back:
+#
+# - ``start_reduce(key, grads)`` / ``finish_reduce()``: a bucket's tensors are whole and
+#   adjacent, so their local gradients are packed end to end into a staging buffer of the
+#   bucket's size (zeros for padding and for missing gradients), reduce-scattered in place, and
+#   the rank's shard of the sum, divided by W, lands in its gradient shard (copied, or added to
+#   accumulate). See [Note: gradient staging] in _staging.py.
+# - readiness (``expect`` / ``mark_ready`` / ``unstarted``): during backward it counts the
+#   gradients each bucket still waits for; ``mark_ready(t)`` returns the buckets that tensor
+#   ``t``'s gradient makes ready to launch, in reverse bucket order, and the reducer launches
+#   them itself ([Note: overlap with backward] in _hooks.py).
 
 # [Note: wire dtype]
 # ``shard(..., comm_dtype=torch.bfloat16)`` puts gradients on the wire in bfloat16 but sums them
@@ -158,6 +183,137 @@ class WireReduction:
 
 
 Reduction: TypeAlias = PlainReduction | WireReduction
+LocalGrads: TypeAlias = Mapping[int, "torch.Tensor | None"] | Sequence["torch.Tensor | None"]
+
+
+def _reduction_for(layout: FlatLayout) -> Reduction:
+    """The gradient reduction (chosen once): on a ``comm_dtype`` wire, summed in
+    ``reduce_dtype`` or the wider of float32 and each group's dtype; else plain."""
+    if layout.comm_dtype is None:
+        return PlainReduction(layout.group, layout.replicate, layout.algorithm)
+    dtypes = [getattr(torch, g.dtype) for g in layout.plan.groups]
+    sums = tuple(layout.reduce_dtype or torch.promote_types(torch.float32, d) for d in dtypes)
+    return WireReduction(layout.group, layout.replicate, layout.comm_dtype, sums)
+
+
+class GradShards:
+    """This rank's compact gradient shard of each group of ``layout``, and the bucket
+    reductions that fill them (see [Note: gradient shards])."""
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self.layout = layout
+        self.reduction = _reduction_for(layout)  # [Note: wire dtype]
+        self._shards: tuple[torch.Tensor, ...] = ()
+        self._staging: GradStaging | None = None
+        self._queue = PendingQueue()
+        self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
+        self._order = tuple(reversed(layout.keys))  # the launch order: the last bucket first
+        self._next = 0  # the next bucket of _order to launch
+
+    @property
+    def shards(self) -> tuple[torch.Tensor, ...]:
+        """The gradient shards (allocated, zero, on first use)."""
+        if not self._shards:
+            layout = self.layout
+            self._shards = tuple(
+                torch.zeros(
+                    grp.shard_numels[layout.rank],
+                    dtype=layout.reduce_dtype or layout.buffers[g].dtype,
+                    device=layout.buffers[g].device,
+                )
+                for g, grp in enumerate(layout.plan.groups)
+            )
+        return self._shards
+
+    @property
+    def allocated_shards(self) -> tuple[torch.Tensor, ...]:
+        """The gradient shards if allocated (none before the first reduction)."""
+        return self._shards
+
+    @property
+    def staging(self) -> tuple[torch.Tensor, ...]:
+        """The staging buffers allocated so far (see :func:`staging_numel`)."""
+        return () if self._staging is None else self._staging.allocated
+
+    def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor, Hashable]:
+        """Bucket ``key``'s staging, its reduction's scratch (maybe empty) and their tag."""
+        if self._staging is None:
+            layout, groups = self.layout, range(len(self.layout.plan.groups))
+            dtypes = tuple(
+                layout.comm_dtype or layout.reduce_dtype or layout.buffers[g].dtype for g in groups
+            )
+            devices = tuple(layout.buffers[g].device for g in groups)
+            self._staging = GradStaging(
+                layout.plan,
+                dtypes,
+                devices,
+                layout.algorithm,
+                layout.group,
+                widened=self.reduction.widened,
+            )
+        return self._staging.take(key, self._queue)
+
+    def start_reduce(self, key: BucketKey, grads: LocalGrads, *, accumulate: bool) -> None:
+        """Packs bucket ``key``'s local gradients (``grads[t]`` per plan tensor ``t`` of it:
+        a list over the plan, or a dict over the bucket) and launches their average into this
+        rank's gradient shard (added to it with ``accumulate``)."""
+        layout, shards = self.layout, self.shards
+        staging, scratch, tag = self._staging_for(key)
+        for lo, hi in layout.gaps[key]:  # padding: zeros (touched only here, not the whole slot)
+            staging[lo:hi].zero_()
+        for t, lo, n in layout.packing[key]:
+            grad = grads[t]
+            if grad is None:
+                staging[lo : lo + n].zero_()
+            else:
+                staging[lo : lo + n].copy_(grad.reshape(-1))
+        out = layout.compact(shards, key)
+        part = out if layout.replicate is None else torch.empty_like(out)
+        g = key[0]
+        pending = self.reduction.bucket(
+            g,
+            staging,
+            layout.bucket(key),
+            part,
+            accumulate=accumulate and part is out,
+            scratch=scratch,
+        )
+        if part is not out:
+            pending = self.reduction.across(g, pending, part, out, accumulate=accumulate)
+        self._queue.push(tag, pending)
+
+    @property
+    def pending(self) -> bool:
+        """Whether some bucket's reduction is still in flight."""
+        return len(self._queue) > 0
+
+    def finish_reduce(self) -> None:
+        """Waits for every reduction in flight (the shards are then complete)."""
+        self._queue.wait_all()
+
+    def expect(self, trainable: Sequence[bool]) -> None:
+        """Starts counting a backward pass: each bucket waits for the gradients of its tensors
+        ``t`` with ``trainable[t]``."""
+        layout = self.layout
+        self._expected = {
+            key: sum(1 for t in layout.bucket_tensors[key] if trainable[t]) for key in layout.keys
+        }
+        self._next = 0
+
+    def mark_ready(self, t: int) -> list[BucketKey]:
+        """Counts plan tensor ``t``'s gradient ready; returns the buckets to launch now, in
+        order: each has all its gradients and every bucket after it is launched."""
+        self._expected[self.layout.touching[t]] -= 1
+        start = self._next
+        while self._next < len(self._order) and self._expected[self._order[self._next]] == 0:
+            self._next += 1
+        return list(self._order[start : self._next])
+
+    def unstarted(self) -> list[BucketKey]:
+        """The buckets not launched in this pass, in launch order (the end of a backward pass,
+        where some tensors had no gradient); they count as launched from here."""
+        start, self._next = self._next, len(self._order)
+        return list(self._order[start:])
 
 
 def replica_chunks(numel: int, replicas: int) -> list[int]:

@@ -22,7 +22,6 @@ from shardopt.core.blocks import (
     update_whole_,
     whole_tensor_mask,
 )
-from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled import compiled_update
 from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
@@ -224,7 +223,10 @@ def update_and_sync(
         with in_scope(compiled.scope):
             done = compiled.run(inner, params, grads, master)
         if done:
-            layout.sync_params(master.write_back)
+            for key in layout.keys:  # each bucket's masters rounded in, then gathered
+                master.write_back(key)
+                layout.start_param_sync(key)
+            layout.finish_param_syncs()
             return
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
     reducing = reduces(tx)
@@ -237,12 +239,12 @@ def update_and_sync(
         elif not sliceable:
             _update(tx, inner, params, grads, 0, len(params), reducing)
 
-    def prepare(key: BucketKey) -> None:  # bucket key's pieces updated, then gathered
+    for key in layout.keys:  # each bucket's pieces updated (where sliceable), then gathered
         if sliceable:
             master.views_for_update(params, (key,))
             lo, hi = layout.piece_ranges[key]
             with in_scope(_narrowed(layout.scope, lo, hi)):
                 _update(tx, inner, params, grads, lo, hi)
         master.write_back(key)
-
-    layout.sync_params(prepare)
+        layout.start_param_sync(key)
+    layout.finish_param_syncs()
