@@ -13,6 +13,7 @@ updated parameter; and the calls back up (a call into a file that the path had a
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import tempfile
@@ -67,7 +68,7 @@ def calls_back_up(stack: list[tuple[str, str]]) -> list[str]:
     a lower file calling up into the caller's (a callback, or a wrapper)."""
     left: set[str] = set()
     out = []
-    for (path, _), (nxt, name) in zip(stack, stack[1:]):
+    for (path, _), (nxt, name) in itertools.pairwise(stack):
         if nxt != path:
             left.add(path)
             if nxt in left:

@@ -97,6 +97,7 @@ def test_a_stage_2_gradient_crosses_at_most_8_files_and_no_call_goes_back_up() -
     assert out.returncode == 0, out.stderr[-2000:]
     files = re.search(r"^files \((\d+)\)", out.stdout, re.MULTILINE)
     back = re.search(r"^calls back up \((\d+)\): (.*)$", out.stdout, re.MULTILINE)
-    assert files is not None and back is not None, out.stdout
+    assert files is not None, out.stdout
+    assert back is not None, out.stdout
     assert int(files.group(1)) <= 8, out.stdout
     assert int(back.group(1)) == 0, back.group(2)

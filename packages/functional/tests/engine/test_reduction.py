@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from shardopt.core import plan_partition
-from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._param_buffers import build_param_buffers
 from shardopt.functional.engine._reduction import GradShards
 
 
 def test_gradient_shards_are_compact_and_in_the_reduce_dtype():
     params = [torch.randn(10, dtype=torch.bfloat16), torch.randn(3)]
     plan = plan_partition(params, 2, strategy="greedy", bucket_numel=4)
-    plain = GradShards(build_layout(plan, [p.clone() for p in params], 1)).shards
+    plain = GradShards(build_param_buffers(plan, [p.clone() for p in params], 1)).shards
     assert [s.dtype for s in plain] == [torch.bfloat16, torch.float32]
-    shards = GradShards(build_layout(plan, params, 1, reduce_dtype=torch.float32)).shards
+    shards = GradShards(build_param_buffers(plan, params, 1, reduce_dtype=torch.float32)).shards
     assert [s.dtype for s in shards] == [torch.float32, torch.float32]
     assert [s.numel() for s in shards] == [g.shard_numels[1] for g in plan.groups]
 
@@ -24,7 +24,7 @@ def test_gradient_shards_are_compact_and_in_the_reduce_dtype():
 def six_buckets_of_two(rank: int) -> tuple[GradShards, list[torch.Tensor]]:
     params = [torch.zeros(4) for _ in range(6)]
     plan = plan_partition(params, 2, strategy="flat", bucket_numel=8)
-    grads = GradShards(build_layout(plan, params, rank))
+    grads = GradShards(build_param_buffers(plan, params, rank))
     assert len(grads.layout.keys) == 3
     return grads, [torch.full((4,), float(t + rank)) for t in range(6)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardopt.core import Transformation, adagrad, adam, chain, plan_partition, sgd
-from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._param_buffers import build_param_buffers
 from shardopt.functional.engine._state import FieldKind, flatten_state, probe_fields, slice_state
 
 from _functional_helpers import mlp_batch, small_mlp
@@ -18,7 +18,7 @@ from _functional_helpers import mlp_batch, small_mlp
 def layout_for(world: int, rank: int, strategy: str = "flat", bucket_numel: int | None = None):
     params = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(9)]
     plan = plan_partition(params, world, strategy=strategy, align=1, bucket_numel=bucket_numel)
-    return build_layout(plan, params, rank)
+    return build_param_buffers(plan, params, rank)
 
 
 def probes(layout) -> list[torch.Tensor]:

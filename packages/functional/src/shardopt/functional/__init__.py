@@ -25,9 +25,11 @@ from shardopt.functional.engine._hooks import (
     register_param_hooks,
     wait_params,
 )
-from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._local_sgd import average_params, averaging_due, local_sgd_step
+from shardopt.functional.engine._param_buffers import ParamBuffers
 from shardopt.functional.engine._state import FieldKind, ShardedState, StateField, StepStats
+
+FlatLayout = ParamBuffers  # the name before issue 39 split the gradient half out (docs/glossary.md)
 
 __all__ = [
     "Algorithm",
@@ -35,6 +37,7 @@ __all__ = [
     "FieldKind",
     "FlatLayout",
     "GradHooks",
+    "ParamBuffers",
     "ParamHooks",
     "Pending",
     "RankBytes",

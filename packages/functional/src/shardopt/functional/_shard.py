@@ -22,7 +22,6 @@ from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._compiled import planned_update
 from shardopt.functional.engine._failure import failing_together, fails_together
 from shardopt.functional.engine._hooks import GradReducer
-from shardopt.functional.engine._layout import FlatLayout, build_layout
 from shardopt.functional.engine._masters import Masters, build_masters
 from shardopt.functional.engine._mesh import (
     MeshGroups,
@@ -32,6 +31,7 @@ from shardopt.functional.engine._mesh import (
     mesh_groups,
     tensor_parallel,
 )
+from shardopt.functional.engine._param_buffers import ParamBuffers, build_param_buffers
 from shardopt.functional.engine._scope import ShardReducer, meta_tree, shard_scope
 from shardopt.functional.engine._state import (
     ShardedState,
@@ -252,7 +252,7 @@ def _init(
     probed = _agreed_fields(tx, plan, opts, groups, params, split, tree)
     group = groups.shard
     rank, whole = dist.get_rank(group), needs_whole_tensors(tx)
-    layout = build_layout(
+    layout = build_param_buffers(
         plan,
         params,
         rank,
@@ -310,7 +310,7 @@ def _step(
     grads: PyTree | None,
     state: ShardedState,
 ) -> ShardedState:
-    layout: FlatLayout = state.layout
+    layout: ParamBuffers = state.layout
     problem = layout.check_views(local_tensors(params))
     if problem is not None:
         raise ValueError(f"shard: expected {problem}")
@@ -366,7 +366,7 @@ def _reduced_grads(
 ) -> tuple[str | None, list[bool] | None, list[torch.Tensor | None]]:
     """(the local gradient error or None, in stage 2 which tensors had a gradient here, this
     rank's gradient of each of its pieces)."""
-    layout: FlatLayout = state.layout
+    layout: ParamBuffers = state.layout
     reducer: GradReducer | None = state.reducer
     hooked = reducer is not None and reducer.hooked
     error = None
@@ -391,7 +391,7 @@ def _reduced_grads(
 
 
 def _to_update_dtype(
-    grads: list[torch.Tensor | None], layout: FlatLayout, master: Masters
+    grads: list[torch.Tensor | None], layout: ParamBuffers, master: Masters
 ) -> list[torch.Tensor | None]:
     """The gradients in the dtype of what they update: master weights, else the parameters."""
     dtypes = [master.dtype(g) or buf.dtype for g, buf in enumerate(layout.buffers)]

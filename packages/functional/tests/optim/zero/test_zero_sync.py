@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import plan_partition
-from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._param_buffers import build_param_buffers
 from shardopt.optim import ZeroRedundancyOptimizer
 from shardopt.testing import World
 
@@ -92,7 +92,7 @@ def sync_case(
     ptrs = [p.data_ptr() for p in params]
     storage = "flat" if view else "staged"
     with torch.no_grad():  # the buffers are filled from the parameters as they are
-        layout = build_layout(plan, params, rank, algorithm=algorithm, storage=storage)
+        layout = build_param_buffers(plan, params, rank, algorithm=algorithm, storage=storage)
     with recording() as calls:
         layout.sync_params()
     assert plan.owners is not None

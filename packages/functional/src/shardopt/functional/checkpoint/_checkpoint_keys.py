@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from shardopt.core import Transformation
 from shardopt.core.blocks import TORCH_COMPAT
-from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._param_buffers import ParamBuffers
 from shardopt.functional.engine._state import (
     FieldKind,
     ShardedState,
@@ -333,15 +333,15 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
     return out
 
 
-def piece_value(field: Field, layout: FlatLayout, k: int, slots: Sequence[int]) -> torch.Tensor:
+def piece_value(field: Field, layout: ParamBuffers, k: int, slots: Sequence[int]) -> torch.Tensor:
     """The value of ``field`` for piece ``k``: a 1-D view (ELEMENTWISE) or a 0-d view.
 
     Example:
         >>> import torch
         >>> from shardopt.core import plan_partition
-        >>> from shardopt.functional.engine._layout import build_layout
+        >>> from shardopt.functional.engine._param_buffers import build_param_buffers
         >>> params = [torch.ones(3), torch.ones(2)]
-        >>> layout = build_layout(plan_partition(params, 1, align=1), params, 0)
+        >>> layout = build_param_buffers(plan_partition(params, 1, align=1), params, 0)
         >>> mu = StateField("[0].mu", FieldKind.ELEMENTWISE, (torch.arange(5.0),))
         >>> piece_value(mu, layout, 1, piece_slots(layout))
         tensor([3., 4.])

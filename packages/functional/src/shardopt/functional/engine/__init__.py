@@ -28,7 +28,7 @@ The index spaces, each named once (the plan's arithmetic is shardopt.core's ``Pl
   tensor, group, ``start:stop`` within the tensor and ``offset`` within the compact shard); the
   update and the optimizer state are per piece.
 
-The buffers, all owned by the layout (``FlatLayout``, [Note: engine] in _layout.py):
+The buffers, all owned by the layout (``ParamBuffers``, [Note: engine] in _param_buffers.py):
 
 - parameter buffer: one per group, every rank's full copy; the parameters are views of it
   ([Note: flat storage]). Parameter syncs all-gather a bucket's region of it in place. A layout
@@ -56,7 +56,6 @@ the top.
 
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._failure import RankFailedError, fails_together
-from shardopt.functional.engine._layout import build_layout
 from shardopt.functional.engine._local_sgd import (
     average_flat,
     check_averageable,
@@ -65,6 +64,7 @@ from shardopt.functional.engine._local_sgd import (
     resolve_group,
 )
 from shardopt.functional.engine._mesh import MeshGroups, mesh_groups
+from shardopt.functional.engine._param_buffers import build_param_buffers
 from shardopt.functional.engine._rooted import (
     broadcast_from,
     gather_object_to,
@@ -95,7 +95,7 @@ __all__ = [
     "RankFailedError",
     "agree_across_ranks",
     "average_flat",
-    "build_layout",
+    "build_param_buffers",
     "check_averageable",
     "check_schedule",
     "comm_device",

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from shardopt.core import Transformation
 from shardopt.core.blocks import Scope, flat_rule, tree_leaves
 from shardopt.functional.engine._collectives import all_reduce_op, comm_device
-from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters, RemainderMaster, StoredMaster
+from shardopt.functional.engine._param_buffers import ParamBuffers
 
 __all__ = [
     "AUTO_NUMEL",
@@ -100,7 +100,7 @@ __all__ = [
 
 AUTO_NUMEL = 1 << 20  # elements of the plan's largest shard from which "auto" compiles
 _IDS = itertools.count()
-_UPDATES: weakref.WeakKeyDictionary[FlatLayout, CompiledUpdate] = weakref.WeakKeyDictionary()
+_UPDATES: weakref.WeakKeyDictionary[ParamBuffers, CompiledUpdate] = weakref.WeakKeyDictionary()
 
 
 def compile_blocker(device: torch.device) -> str | None:
@@ -270,7 +270,7 @@ class CompiledUpdate:
     it runs eagerly, or None.
     """
 
-    def __init__(self, tx: Transformation, layout: FlatLayout, scope: Scope | None) -> None:
+    def __init__(self, tx: Transformation, layout: ParamBuffers, scope: Scope | None) -> None:
         self.layout, self.calls = layout, 0
         self.compile_seconds: float | None = None
         self.graphs = self.recompiles = 0
@@ -361,7 +361,7 @@ class CompiledUpdate:
         warnings.warn(f"shard: compile: running the update eagerly: {why}", stacklevel=4)
 
 
-def _agreed(failed: bool, layout: FlatLayout) -> bool:
+def _agreed(failed: bool, layout: ParamBuffers) -> bool:
     """Whether ``failed`` on any rank of the layout's group (one small all-reduce)."""
     group = layout.group
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -378,7 +378,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def planned_update(
-    tx: Transformation, layout: FlatLayout, mode: bool | str, whole: bool
+    tx: Transformation, layout: ParamBuffers, mode: bool | str, whole: bool
 ) -> CompiledUpdate | None:
     """The layout's compiled update under ``compile=mode``, or None where it runs eagerly:
     ``False``; ``"auto"`` on a small shard or without a compiler; a transformation that needs
@@ -409,6 +409,6 @@ def planned_update(
     return update
 
 
-def compiled_update(layout: FlatLayout) -> CompiledUpdate | None:
+def compiled_update(layout: ParamBuffers) -> CompiledUpdate | None:
     """The compiled update of ``layout`` (None: eager)."""
     return _UPDATES.get(layout)

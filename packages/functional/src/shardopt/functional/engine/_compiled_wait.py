@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shardopt.core.blocks import local_tensor
-from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._param_buffers import ParamBuffers
 
 __all__ = ["compiled_wait", "hook_ancestors", "inlines_module_hooks"]
 
@@ -24,11 +24,11 @@ Entries = tuple[tuple[tuple[int, torch.Tensor], ...], ...]  # per bucket: (tenso
 
 _OP = "param_wait"
 _SCHEMA = "(Tensor(a!) param, int layout, int tensor, int end) -> ()"
-_LAYOUTS: weakref.WeakValueDictionary[int, FlatLayout] = weakref.WeakValueDictionary()
+_LAYOUTS: weakref.WeakValueDictionary[int, ParamBuffers] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
 
 
-def _registry() -> tuple[weakref.WeakValueDictionary[int, FlatLayout], itertools.count[int]]:
+def _registry() -> tuple[weakref.WeakValueDictionary[int, ParamBuffers], itertools.count[int]]:
     """The process's layouts by id, whichever copy of this file asks (doctest collection imports
     it a second time, under another name): the op and the hooks must share them."""
     from shardopt.functional.engine import _compiled_wait
@@ -64,7 +64,7 @@ def _no_op(module: torch.nn.Module, args: Any) -> None:
     del module, args
 
 
-def compiled_wait(layout: FlatLayout, params: Sequence[torch.Tensor], places: Places) -> Any:
+def compiled_wait(layout: ParamBuffers, params: Sequence[torch.Tensor], places: Places) -> Any:
     """What a forward pre-hook calls, while dynamo traces it, to wait through bucket ``end``:
     ``wait(end)`` puts the wait in the graph where it can, else breaks the graph once."""
     found = [(places[a], p) for p in params if (a := local_tensor(p).data_ptr()) in places]
@@ -89,7 +89,7 @@ def compiled_wait(layout: FlatLayout, params: Sequence[torch.Tensor], places: Pl
     return wait
 
 
-def _breaking_wait(layout: FlatLayout) -> Callable[[int], None]:
+def _breaking_wait(layout: ParamBuffers) -> Callable[[int], None]:
     def wait(end: int) -> None:
         _wait_through(layout, end)
 
@@ -97,7 +97,7 @@ def _breaking_wait(layout: FlatLayout) -> Callable[[int], None]:
 
 
 @torch.compiler.disable
-def _wait_through(layout: FlatLayout, end: int) -> None:
+def _wait_through(layout: ParamBuffers, end: int) -> None:
     """Not traced: the graph breaks here, and only here."""
     layout.wait_params_through(end)
 

@@ -11,7 +11,7 @@ from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled_wait import compiled_wait, hook_ancestors
 from shardopt.functional.engine._failure import failing_together
-from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._param_buffers import ParamBuffers
 from shardopt.functional.engine._reduction import GradShards
 
 __all__ = [
@@ -105,7 +105,7 @@ class GradReducer:
     gradient once it is packed.
     """
 
-    def __init__(self, layout: FlatLayout, *, free_grads: bool) -> None:
+    def __init__(self, layout: ParamBuffers, *, free_grads: bool) -> None:
         self.layout = layout
         self.grads = GradShards(layout)
         self.free_grads = free_grads
@@ -289,7 +289,7 @@ def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks
 class ParamHooks:
     """The handle of :func:`register_param_hooks`; :meth:`remove` takes the hooks off."""
 
-    def __init__(self, layout: FlatLayout, handles: list[Any]) -> None:
+    def __init__(self, layout: ParamBuffers, handles: list[Any]) -> None:
         self._layout = layout
         self._handles = handles
 
@@ -302,7 +302,7 @@ class ParamHooks:
         self._layout.defer_param_syncs(False)
 
 
-def _layout_of(api: str, state: Any) -> FlatLayout:
+def _layout_of(api: str, state: Any) -> ParamBuffers:
     layout = getattr(state, "layout", None)
     if not callable(getattr(layout, "wait_params", None)):  # duck-typed: doctests reload modules
         raise ValueError(f"{api}: expected the state of a shard(...), got a {type(state).__name__}")
@@ -364,7 +364,7 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
     return ParamHooks(layout, handles)
 
 
-def _places(layout: FlatLayout) -> dict[int, tuple[int, int]]:
+def _places(layout: ParamBuffers) -> dict[int, tuple[int, int]]:
     """(plan tensor, index of its bucket in ``layout.keys``) by the address of its elements."""
     out = {}
     for t, spec in enumerate(layout.plan.tensors):
@@ -379,7 +379,7 @@ def _address(p: torch.Tensor) -> int:
     return local_tensor(p).data_ptr()
 
 
-def _waiter(layout: FlatLayout, end: int, compiled: Callable[[int], None]) -> Callable[..., None]:
+def _waiter(layout: ParamBuffers, end: int, compiled: Callable[[int], None]) -> Callable[..., None]:
     """The forward pre-hook of a module whose parameters lie in the first ``end`` buckets."""
 
     def hook(module: torch.nn.Module, args: Any) -> None:

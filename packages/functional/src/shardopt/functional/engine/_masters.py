@@ -10,7 +10,7 @@ import torch
 from shardopt.functional.engine._buckets import BucketKey
 
 if TYPE_CHECKING:
-    from shardopt.functional.engine._layout import FlatLayout
+    from shardopt.functional.engine._param_buffers import ParamBuffers
 
 __all__ = ["Masters", "build_masters", "join_remainder", "split_remainder"]
 
@@ -154,7 +154,7 @@ class GroupMaster(Protocol):
     def reset(self) -> None: ...
 
 
-def _part(layout: FlatLayout, compact: torch.Tensor, key: BucketKey) -> torch.Tensor:
+def _part(layout: ParamBuffers, compact: torch.Tensor, key: BucketKey) -> torch.Tensor:
     """Bucket ``key``'s part of ``compact``, a compact shard of its group."""
     off = layout.shard_offsets[key]
     return compact[off : off + layout.bucket(key).shards[layout.rank]]
@@ -164,7 +164,7 @@ class StoredMaster:
     """A compact shard of the group's masters in their dtype (float32: 4 bytes per owned
     element)."""
 
-    def __init__(self, layout: FlatLayout, g: int, dtype: torch.dtype) -> None:
+    def __init__(self, layout: ParamBuffers, g: int, dtype: torch.dtype) -> None:
         self.layout, self.g, self.dtype = layout, g, dtype
         self.stored = layout.copy_shard_out(g).to(dtype)
 
@@ -196,7 +196,7 @@ class RemainderMaster:
 
     dtype = torch.float32
 
-    def __init__(self, layout: FlatLayout, g: int) -> None:
+    def __init__(self, layout: ParamBuffers, g: int) -> None:
         self.layout, self.g = layout, g
         numel = sum(b.shards[layout.rank] for b in layout.plan.groups[g].buckets)
         device = layout.buffers[g].device
@@ -246,7 +246,7 @@ class Masters(Sequence["torch.Tensor | None"]):
     sequence of the stored tensors, and the float32 views the update runs on (see
     [Note: master weights])."""
 
-    def __init__(self, layout: FlatLayout, groups: Sequence[GroupMaster | None]) -> None:
+    def __init__(self, layout: ParamBuffers, groups: Sequence[GroupMaster | None]) -> None:
         self.layout, self.groups = layout, tuple(groups)
 
     @overload
@@ -319,7 +319,7 @@ class Masters(Sequence["torch.Tensor | None"]):
 
 
 def build_masters(
-    layout: FlatLayout, dtypes: Sequence[torch.dtype | None], remainders: bool
+    layout: ParamBuffers, dtypes: Sequence[torch.dtype | None], remainders: bool
 ) -> Masters:
     """The masters of ``layout``'s groups: ``dtypes[g]`` (None: none), as 16-bit remainders of
     the bfloat16 groups where ``remainders`` (float32 masters only; [Note: master remainders]).

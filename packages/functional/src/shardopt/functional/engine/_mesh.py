@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardopt.core.blocks import PyTree, local_tensor, tree_leaves
 from shardopt.functional.engine._clip import TensorParallel
 from shardopt.functional.engine._collectives import ProcessGroup
-from shardopt.functional.engine._layout import FlatLayout
+from shardopt.functional.engine._param_buffers import ParamBuffers
 
 __all__ = [
     "HYBRID_DIMS",
@@ -102,7 +102,7 @@ def is_split(p: Any) -> bool:
     return mesh is not None and any(pl.is_shard() for pl in p.placements)
 
 
-def tensor_parallel(params: Sequence[Any], layout: FlatLayout) -> TensorParallel | None:
+def tensor_parallel(params: Sequence[Any], layout: ParamBuffers) -> TensorParallel | None:
     """Which of the layout's pieces belong to DTensors sharded over a tensor-parallel group,
     and that group; None without any (see [Note: tensor-parallel norms])."""
     groups, flags = set(), []

@@ -27,12 +27,12 @@ from shardopt.functional.engine._failure import completed
 from shardopt.functional.engine._staging import GradStaging
 
 if TYPE_CHECKING:
-    from shardopt.functional.engine._layout import FlatLayout
+    from shardopt.functional.engine._param_buffers import ParamBuffers
 
 __all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replica_chunks"]
 
 # [Note: gradient shards]
-# The gradient half of the engine, apart from the parameter half (``FlatLayout``) and owned by
+# The gradient half of the engine, apart from the parameter half (``ParamBuffers``) and owned by
 # the one that reduces: ``GradReducer`` in _hooks.py (a sharded state that reduces gradients
 # has one; stage 1 with ``grads_averaged`` has none). It reads the layout's buckets and options
 # (group, algorithm, ``reduce_dtype``, ``comm_dtype``, ``replicate``) and never calls back:
@@ -186,7 +186,7 @@ Reduction: TypeAlias = PlainReduction | WireReduction
 LocalGrads: TypeAlias = Mapping[int, "torch.Tensor | None"] | Sequence["torch.Tensor | None"]
 
 
-def _reduction_for(layout: FlatLayout) -> Reduction:
+def _reduction_for(layout: ParamBuffers) -> Reduction:
     """The gradient reduction (chosen once): on a ``comm_dtype`` wire, summed in
     ``reduce_dtype`` or the wider of float32 and each group's dtype; else plain."""
     if layout.comm_dtype is None:
@@ -200,7 +200,7 @@ class GradShards:
     """This rank's compact gradient shard of each group of ``layout``, and the bucket
     reductions that fill them (see [Note: gradient shards])."""
 
-    def __init__(self, layout: FlatLayout) -> None:
+    def __init__(self, layout: ParamBuffers) -> None:
         self.layout = layout
         self.reduction = _reduction_for(layout)  # [Note: wire dtype]
         self._shards: tuple[torch.Tensor, ...] = ()

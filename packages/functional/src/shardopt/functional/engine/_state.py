@@ -13,8 +13,8 @@ from torch.utils import _pytree as pytree
 from shardopt.core import InjectHyperparamsState, Transformation
 from shardopt.core.blocks import in_scope, needs_whole_tensors, partition_rule
 from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
-from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
+from shardopt.functional.engine._param_buffers import ParamBuffers
 
 __all__ = [
     "FieldKind",
@@ -36,7 +36,7 @@ __all__ = [
 # [Note: sharded state layout]
 # ``init`` returns a ShardedState; on rank r it holds only what rank r owns:
 #
-# - ``layout`` (a FlatLayout, the engine of [Note: engine]): ``plan``, ``rank``, ``buffers[g]``
+# - ``layout`` (a ParamBuffers, the engine of [Note: engine]): ``plan``, ``rank``, ``buffers[g]``
 #   the full flat parameter buffer of ``plan.groups[g]`` (the parameters are views of it),
 #   ``pieces = plan.pieces(rank)``, the gradient shards and the collectives in flight.
 # - ``inner``: ``tx.init(pieces)`` where ``pieces`` is the list of this rank's pieces as 1-D views
@@ -98,7 +98,7 @@ class ShardedState(NamedTuple):
 
     inner: Any
     fields: tuple[StateField, ...]
-    layout: FlatLayout
+    layout: ParamBuffers
     master: Masters
     reducer: Any
     stats: StepStats | None
@@ -147,7 +147,7 @@ def probe_fields(
 
 def flatten_state(
     inner: Any,
-    layout: FlatLayout,
+    layout: ParamBuffers,
     probed: dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]],
 ) -> tuple[Any, tuple[StateField, ...], bool]:
     """Moves the fields of ``inner = tx.init(pieces)`` into flat buffers; their leaves become views.
@@ -188,7 +188,7 @@ def _holds_tensors(leaf: Any) -> bool:
     return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(leaf))
 
 
-def piece_slots(layout: FlatLayout) -> list[int]:
+def piece_slots(layout: ParamBuffers) -> list[int]:
     """For each piece of ``layout``, its index among the pieces of its group (PER_PIECE slot)."""
     counts = [0] * len(layout.plan.groups)
     out = []
@@ -199,7 +199,7 @@ def piece_slots(layout: FlatLayout) -> list[int]:
 
 
 def _alloc(
-    layout: FlatLayout, kind: FieldKind, dtypes: tuple[torch.dtype, ...]
+    layout: ParamBuffers, kind: FieldKind, dtypes: tuple[torch.dtype, ...]
 ) -> tuple[torch.Tensor, ...]:
     sizes = [0] * len(layout.plan.groups)
     for piece in layout.pieces:
@@ -314,7 +314,7 @@ def tensor_labels(
     tx: Transformation,
     pieces: Sequence[torch.Tensor],
     dtypes: Sequence[torch.dtype],
-    layout: FlatLayout,
+    layout: ParamBuffers,
     group: ProcessGroup,
 ) -> Labels | None:
     """The :class:`Labels` of ``tx`` over this rank's ``pieces`` if it is a core ``partition``,

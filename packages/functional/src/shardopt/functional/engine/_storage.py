@@ -25,7 +25,7 @@ __all__ = ["FlatStorage", "ParamStorage", "StagedStorage"]
 
 # [Note: parameter storage]
 # A layout's parameter syncs go through one storage, chosen when the layout is built and never
-# branched on afterwards (``build_layout(..., storage=)``):
+# branched on afterwards (``build_param_buffers(..., storage=)``):
 # - "flat" (FlatStorage): the parameters are views of the layout's flat buffers ([Note: flat
 #   storage]); a bucket's sync all-gathers its region of the buffer in place.
 # - "staged" (StagedStorage): the parameters keep their own storage, as torch's

@@ -23,8 +23,8 @@ from shardopt.core.blocks import (
     whole_tensor_mask,
 )
 from shardopt.functional.engine._compiled import compiled_update
-from shardopt.functional.engine._layout import FlatLayout
 from shardopt.functional.engine._masters import Masters
+from shardopt.functional.engine._param_buffers import ParamBuffers
 from shardopt.functional.engine._scope import LocalReducer
 from shardopt.functional.engine._state import slice_state
 
@@ -192,7 +192,7 @@ def cut_for_whole(
     )
 
 
-def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
+def shaped(layout: ParamBuffers, views: Sequence[Any]) -> list[Any]:
     """Each piece's view in its tensor's shape where the plan owns it whole; 1-D (as it comes)
     where a mixed plan cuts it."""
     plan = layout.plan
@@ -205,7 +205,7 @@ def shaped(layout: FlatLayout, views: Sequence[Any]) -> list[Any]:
 def update_and_sync(
     tx: Transformation,
     inner: Any,
-    layout: FlatLayout,
+    layout: ParamBuffers,
     grads: Sequence[torch.Tensor | None],
     master: Masters,
 ) -> None:

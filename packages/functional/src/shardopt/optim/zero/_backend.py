@@ -7,7 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from shardopt.functional import FlatLayout
+from shardopt.functional import ParamBuffers
 
 __all__ = ["OverlapBackend", "ZeroBackend", "reseat"]
 
@@ -24,9 +24,9 @@ __all__ = ["OverlapBackend", "ZeroBackend", "reseat"]
 # the param groups, the cross-rank checks of its input, Join, the answers of ``state_dict``
 # ([Note: state dicts without consolidation]) and the caches of torch's partition attributes.
 # Every collective on parameters or optimizer state is the backend's, and each runs them on
-# shardopt.functional's engine: TorchBackend syncs through a FlatLayout (bucket views) or its
+# shardopt.functional's engine: TorchBackend syncs through a ParamBuffers (bucket views) or its
 # staged storage and consolidates by the windowed gathers of [Note: entries by gathers];
-# CoreBackend is ``shard`` itself; TorchSlicesBackend syncs through one FlatLayout per param group
+# CoreBackend is ``shard`` itself; TorchSlicesBackend syncs through one ParamBuffers per param group
 # and consolidates by the same gathers. What every backend does is ZeroBackend; stepping and
 # syncing some parameters from the DDP hooks needs whole parameters per rank, an optional
 # capability (OverlapBackend) that only TorchBackend has.
@@ -64,7 +64,7 @@ class ZeroBackend(Protocol):
     def sync_all(self) -> None:
         """Syncs every parameter from the ranks that own it (collective)."""
 
-    def layouts(self) -> list[FlatLayout]:
+    def layouts(self) -> list[ParamBuffers]:
         """The engine's layouts whose parameters are views of flat buffers."""
 
     def hook_targets(self, api: str) -> list[Any]:
@@ -98,7 +98,7 @@ class OverlapBackend(Protocol):
     sync some of them ([Note: one backend])."""
 
     @property
-    def layout(self) -> FlatLayout | None:
+    def layout(self) -> ParamBuffers | None:
         """The layout of bucket views (None without ``parameters_as_bucket_view``)."""
 
     def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
@@ -118,7 +118,7 @@ class OverlapBackend(Protocol):
 # (flat) or is not synced (greedy, as torch's).
 
 
-def reseat(layout: FlatLayout, params: Sequence[torch.Tensor]) -> None:
+def reseat(layout: ParamBuffers, params: Sequence[torch.Tensor]) -> None:
     """Rebinds each of ``params`` (the layout's tensors, in order) that a same-device move copied
     out of the flat buffers back to its view there, with its current value (see
     [Note: re-seated parameters])."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from shardopt.functional import FlatLayout
+from shardopt.functional import ParamBuffers
 from shardopt.functional.engine import ProcessGroup
 from shardopt.optim.zero._core_optimizer import (
     DDP_AVERAGED,
@@ -72,7 +72,7 @@ class CoreBackend:
         for layout in self.layouts():
             layout.wait_params()
 
-    def layouts(self) -> list[FlatLayout]:
+    def layouts(self) -> list[ParamBuffers]:
         """Each sharded group's layout."""
         return [u.state.layout for u in self.optim.units() if u is not None]
 

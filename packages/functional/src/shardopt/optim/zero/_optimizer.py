@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from shardopt.core import Strategy
-from shardopt.functional import FlatLayout, ParamHooks, register_param_hooks
+from shardopt.functional import ParamBuffers, ParamHooks, register_param_hooks
 from shardopt.functional.engine import fails_together, mesh_groups, ranks_with
 from shardopt.optim.zero._backend import OverlapBackend, ZeroBackend
 from shardopt.optim.zero._classes import (
@@ -374,11 +374,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Waits until every parameter holds its value after the last :meth:`step`."""
         self._backend.wait_params()
 
-    def _layouts(self) -> list[FlatLayout]:
+    def _layouts(self) -> list[ParamBuffers]:
         return self._backend.layouts()
 
     @property
-    def layout(self) -> FlatLayout | None:
+    def layout(self) -> ParamBuffers | None:
         """The engine of the greedy partition with bucket views (None otherwise)."""
         return None if self._overlap_backend is None else self._overlap_backend.layout
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from shardopt.functional import FlatLayout, Pending
+from shardopt.functional import ParamBuffers, Pending
 from shardopt.functional.checkpoint import gather_entries
-from shardopt.functional.engine import ProcessGroup, build_layout
+from shardopt.functional.engine import ProcessGroup, build_param_buffers
 from shardopt.optim.zero._backend import reseat
 from shardopt.optim.zero._params import API, check_grads
 from shardopt.optim.zero._partition import (
@@ -27,7 +27,7 @@ __all__ = ["TorchBackend"]
 # [Note: greedy parameter sync]
 # The greedy partition runs on shardopt.functional's engine ([Note: engine] there): its plan's
 # buckets (runs of whole parameters, each laid out owner by owner, exact sizes: no padding to the
-# largest rank) are the units of every sync, on one FlatLayout in one of the engine's two
+# largest rank) are the units of every sync, on one ParamBuffers in one of the engine's two
 # storages ([Note: parameter storage]), chosen once:
 # - parameters_as_bucket_view=True: "flat"; the parameters are views of its flat buffers, a sync
 #   is one in-place broadcast per owner and bucket (one all-gather where the shards are equal
@@ -77,7 +77,7 @@ class TorchBackend:
         self.optim: Any = optimizer_class(local, **defaults)  # torch's checks raise here
         copy_hyperparameters(self.optim.param_groups, param_groups)
         self.params: list[torch.Tensor] = []
-        self.sync_layout: FlatLayout | None = None  # the engine's layout, set by start
+        self.sync_layout: ParamBuffers | None = None  # the engine's layout, set by start
         self._index: dict[torch.Tensor, int] = {}  # parameter -> plan tensor (set by start)
         self._owners: dict[torch.Tensor, int] = {}  # parameter -> its owner (set by start)
 
@@ -92,7 +92,7 @@ class TorchBackend:
         self._index = {p: t for t, p in enumerate(self.params)}
         self._owners = owners(param_groups, [self.plan])
         storage = "flat" if self.bucket_view else "staged"  # [Note: parameter storage]
-        self.sync_layout = build_layout(
+        self.sync_layout = build_param_buffers(
             self.plan, self.params, self.rank, group=self.group, storage=storage
         )
 
@@ -173,12 +173,12 @@ class TorchBackend:
             self.sync_layout.wait_params()
 
     @property
-    def layout(self) -> FlatLayout | None:
+    def layout(self) -> ParamBuffers | None:
         """The layout whose buffers the parameters are views of (None: staged storage)."""
         return self.sync_layout if self.bucket_view else None
 
-    def layouts(self) -> list[FlatLayout]:
-        """The FlatLayout of bucket views, if any."""
+    def layouts(self) -> list[ParamBuffers]:
+        """The ParamBuffers of bucket views, if any."""
         return [] if self.layout is None else [self.layout]
 
     def hook_targets(self, api: str) -> list[Any]:

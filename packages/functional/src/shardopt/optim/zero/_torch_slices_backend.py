@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from shardopt.core import Piece, Plan, plan_partition
-from shardopt.functional import FlatLayout
+from shardopt.functional import ParamBuffers
 from shardopt.functional.checkpoint import gather_entries
-from shardopt.functional.engine import ProcessGroup, build_layout
+from shardopt.functional.engine import ProcessGroup, build_param_buffers
 from shardopt.optim.zero._backend import reseat
 from shardopt.optim.zero._partition import copy_hyperparameters, flat_partition, owners
 
@@ -57,7 +57,7 @@ def _to_cpu(value: Any) -> Any:
 class _Unit:
     """One param group's plan and layout, and the leaves the local optimizer steps."""
 
-    def __init__(self, params: list[torch.Tensor], plan: Plan, layout: FlatLayout) -> None:
+    def __init__(self, params: list[torch.Tensor], plan: Plan, layout: ParamBuffers) -> None:
         self.params, self.plan, self.layout = params, plan, layout
         self.pieces: tuple[Piece, ...] = plan.pieces(layout.rank)
         self.leaves = [torch.nn.Parameter(v) for v in layout.param_views()]  # shared memory
@@ -99,7 +99,7 @@ class TorchSlicesBackend:
         if not params:
             return None
         plan = plan_partition(params, self.world_size, strategy="flat")
-        layout = build_layout(plan, params, self.rank, group=self.group, storage="flat")
+        layout = build_param_buffers(plan, params, self.rank, group=self.group, storage="flat")
         return _Unit(params, plan, layout)
 
     def _local_group(self, group: dict[str, Any], unit: _Unit | None) -> dict[str, Any]:
@@ -157,7 +157,7 @@ class TorchSlicesBackend:
         for layout in self.layouts():
             layout.wait_params()
 
-    def layouts(self) -> list[FlatLayout]:
+    def layouts(self) -> list[ParamBuffers]:
         return [u.layout for u in self.units if u is not None]
 
     def hook_targets(self, api: str) -> list[Any]:

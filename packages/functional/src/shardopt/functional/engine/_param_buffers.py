@@ -13,10 +13,10 @@ from shardopt.functional.engine._buckets import BucketKey, BucketMap
 from shardopt.functional.engine._collectives import Algorithm, Pending, ProcessGroup
 from shardopt.functional.engine._storage import FlatStorage, ParamStorage, StagedStorage
 
-__all__ = ["BucketKey", "FlatLayout", "build_layout"]
+__all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 
 # [Note: engine]
-# One FlatLayout per sharded optimizer owns what moves parameters: the flat parameter buffer of
+# One ParamBuffers per sharded optimizer owns what moves parameters: the flat parameter buffer of
 # each plan group (the parameters are views of it, see [Note: flat storage]), the buckets the
 # plan cut it into, and the parameter gathers in flight. The gradient half (this rank's gradient
 # shards, their staging, the bucket reductions and readiness) is ``GradShards`` ([Note: gradient
@@ -42,8 +42,9 @@ __all__ = ["BucketKey", "FlatLayout", "build_layout"]
 # every later one are ready (see [Note: overlap with backward] in _hooks.py).
 #
 # [Note: flat storage]
-# ``build_layout`` copies each parameter into its place in its group's buffer and sets ``p.data``
-# to the view of that place, so the module, autograd and the optimizer all see the same memory.
+# ``build_param_buffers`` copies each parameter into its place in its group's buffer and sets
+# ``p.data`` to the view of that place, so the module, autograd and the optimizer all see the
+# same memory.
 # A rank's shard of a group is its shards of the group's buckets; in the parameter buffer they
 # are apart (one per bucket), so the optimizer state, master weights and gradient shards store
 # them end to end instead ("compact" shards, ``shard_numels[rank]`` elements, piece ``k`` at
@@ -65,7 +66,7 @@ __all__ = ["BucketKey", "FlatLayout", "build_layout"]
 # needs no collective and cannot hang.
 
 
-class FlatLayout(BucketMap):
+class ParamBuffers(BucketMap):
     """The flat parameter buffers of a plan on one rank, and their bucketed gathers.
 
     See [Note: engine]. ``buffers[g]`` is the parameter buffer of ``plan.groups[g]``,
@@ -181,16 +182,16 @@ class FlatLayout(BucketMap):
 
 def _check_buffers(plan: Plan, buffers: Sequence[torch.Tensor]) -> None:
     if len(buffers) != len(plan.groups):
-        raise ValueError(f"FlatLayout: expected {len(plan.groups)} buffers, got {len(buffers)}")
+        raise ValueError(f"ParamBuffers: expected {len(plan.groups)} buffers, got {len(buffers)}")
     for g, (buf, grp) in enumerate(zip(buffers, plan.groups)):
         if buf.dim() != 1 or buf.numel() != grp.numel:
             raise ValueError(
-                f"FlatLayout: expected buffers[{g}] 1-D of {grp.numel} elements, "
+                f"ParamBuffers: expected buffers[{g}] 1-D of {grp.numel} elements, "
                 f"got shape {tuple(buf.shape)}"
             )
 
 
-def build_layout(
+def build_param_buffers(
     plan: Plan,
     params: Sequence[torch.Tensor],
     rank: int,
@@ -201,7 +202,7 @@ def build_layout(
     comm_dtype: torch.dtype | None = None,
     replicate: ProcessGroup | None = None,
     storage: str = "flat",
-) -> FlatLayout:
+) -> ParamBuffers:
     """Allocates the flat buffers, copies ``params`` in and re-points them as views.
 
     See [Note: flat storage]. ``params`` must match ``plan.tensors`` (checked by the caller).
@@ -211,14 +212,14 @@ def build_layout(
     Example:
         >>> from shardopt.core import plan_partition
         >>> params = [torch.ones(2, 2), torch.zeros(3)]
-        >>> layout = build_layout(plan_partition(params, 1, align=8), params, 0)
+        >>> layout = build_param_buffers(plan_partition(params, 1, align=8), params, 0)
         >>> params[0].data_ptr() == layout.buffers[0].data_ptr(), layout.buffers[0].numel()
         (True, 8)
     """
     if storage == "staged":
         algo = Algorithm(algorithm)
         staged = StagedStorage(plan, params, rank, group=group, algorithm=algo)
-        return FlatLayout(plan, rank, (), group=group, algorithm=algo, storage=staged)
+        return ParamBuffers(plan, rank, (), group=group, algorithm=algo, storage=staged)
     buffers = []
     with torch.no_grad():
         for grp in plan.groups:
@@ -231,7 +232,7 @@ def build_layout(
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
             buffers.append(buf)
-    return FlatLayout(
+    return ParamBuffers(
         plan,
         rank,
         buffers,

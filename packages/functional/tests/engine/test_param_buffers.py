@@ -8,7 +8,7 @@ import torch
 
 from shardopt.core import plan_partition
 from shardopt.functional import Algorithm
-from shardopt.functional.engine._layout import build_layout
+from shardopt.functional.engine._param_buffers import build_param_buffers
 from shardopt.functional.engine._staging import staging_numel
 
 
@@ -31,7 +31,7 @@ def test_params_become_views_of_one_buffer_per_group_with_their_values(
     params = mixed()
     values = [p.clone() for p in params]
     plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket_numel)
-    layout = build_layout(plan, params, rank)
+    layout = build_param_buffers(plan, params, rank)
     assert [b.dtype for b in layout.buffers] == [torch.float32, torch.float64]
     for g, group in enumerate(plan.groups):
         for t, offset in zip(group.tensors, group.offsets):
@@ -43,7 +43,7 @@ def test_params_become_views_of_one_buffer_per_group_with_their_values(
 
 def test_a_param_moved_out_of_its_buffer_is_reported():
     params = mixed()
-    layout = build_layout(plan_partition(params, 2), params, 0)
+    layout = build_param_buffers(plan_partition(params, 2), params, 0)
     params[2].data = params[2].data.clone()
     assert layout.check_views(params) == (
         "the parameters given to init (views of the flat buffers), got params[2] elsewhere"
@@ -55,7 +55,7 @@ def test_a_param_moved_out_of_its_buffer_is_reported():
 def test_gradient_and_piece_views_alias_the_right_elements(strategy, bucket_numel):
     params = mixed()
     plan = plan_partition(params, 2, strategy=strategy, align=1, bucket_numel=bucket_numel)
-    layout = build_layout(plan, params, 1)
+    layout = build_param_buffers(plan, params, 1)
     grads = [torch.arange(p.numel(), dtype=p.dtype).view(p.shape) for p in params]
     shards = [layout.copy_shard_out(g) for g in range(len(plan.groups))]
     for piece, gv, pv in zip(layout.pieces, layout.grad_views(grads), layout.piece_views(shards)):
@@ -80,7 +80,7 @@ def test_every_tensor_is_in_one_bucket_and_each_rank_owns_one_shard_of_each(
     plan = plan_partition(many(), world, strategy=strategy, bucket_numel=bucket_numel)
     for rank in range(world):
         params = many()
-        layout = build_layout(plan, params, rank)
+        layout = build_param_buffers(plan, params, rank)
         assert sorted(t for k in layout.keys for t in layout.bucket_tensors[k]) == list(
             range(len(params))
         )
