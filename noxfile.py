@@ -14,7 +14,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
-PACKAGES = ("packages/core", "packages/functional", "packages/testing")
+PACKAGES = ("packages/core", "packages/functional", "packages/testing", "packages/devtools")
 SOURCE_PATHS = tuple(f"{p}/src/shardopt" for p in PACKAGES)
 # The docs pages' examples are doctests too (docs/conftest.py collects docs/**/*.md).
 TEST_PATHS = ("README.md", "docs", *(f"{p}/tests" for p in PACKAGES), *SOURCE_PATHS)
@@ -65,7 +65,7 @@ def _venv(
     session: nox.Session, where: str, requirements: tuple[str, ...], *, one_thread: bool = True
 ) -> tuple[str, dict[str, str]]:
     """Creates or refreshes the venv ``where`` with ``requirements`` (pip arguments) and the
-    three packages (editable); returns its scripts folder and the environment to run it with."""
+    packages (editable); returns its scripts folder and the environment to run it with."""
     bin_dir = os.path.join(where, "Scripts" if os.name == "nt" else "bin")
     python = os.path.join(bin_dir, "python")
     inputs = [*REQUIREMENTS, *(f"{p}/pyproject.toml" for p in PACKAGES)]
@@ -159,7 +159,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over the three packages (strict about untyped definitions)."""
+    """mypy over the four packages (strict about untyped definitions)."""
     _install(session, "ci/requirements-dev.txt")
     session.run(
         "mypy",
@@ -167,6 +167,7 @@ def typecheck(session: nox.Session) -> None:
         "packages/functional/src/shardopt/functional",
         "packages/functional/src/shardopt/optim",
         "packages/functional/src/shardopt/cli",
+        "packages/devtools/src/shardopt/devtools",
         "packages/testing/src/shardopt/testing",
     )
 
@@ -175,7 +176,7 @@ def typecheck(session: nox.Session) -> None:
 # The docs site (mkdocs.yml, docs/): mkdocs-material, with the API pages generated from the
 # docstrings by mkdocstrings, whose griffe reads the source statically, so this session's venv,
 # .nox/docs, holds the pinned docs tools (ci/requirements-docs.txt, whose pins are the stamp's
-# requirements: a new pin rebuilds it) and the three packages, but no torch. ``--strict`` makes
+# requirements: a new pin rebuilds it) and the four packages, but no torch. ``--strict`` makes
 # every warning fail the build: a broken link or anchor, a page missing from the nav, an API
 # name or cross-reference that does not resolve; the README, outside the site, has its links
 # checked first. The pages' examples run as doctests in the tests session, not here.

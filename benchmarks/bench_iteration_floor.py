@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from shardopt.cli._bench_run import MODELS, BenchConfig, Variant, _Runner
+from shardopt.devtools.bench._run import MODELS, BenchConfig, Variant, _Runner
 from shardopt.testing import spawn
 
 from _bench_io import write_results

@@ -51,7 +51,7 @@ def _params() -> list[torch.nn.Parameter]:
 
 def build() -> dict[str, Any]:
     """Each variant's step as a callable, and the master bytes it holds."""
-    from shardopt.cli._cli_measure import storage_bytes
+    from shardopt.cli.measure import storage_bytes
     from shardopt.core import adamw, plan_partition
     from shardopt.functional import shard
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shardopt.cli._cli_models import PRESETS
+from shardopt.cli.models import PRESETS
 from shardopt.core import Plan, TensorSpec, newton_schulz_flops, plan_partition
 
 from _bench_io import write_results

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardopt.cli._cli_measure import measure_sharded
 from shardopt.cli._demo_data import encode, read_corpus, sample_batch
 from shardopt.cli._demo_train import DemoConfig, build_model
+from shardopt.cli.measure import measure_sharded
 from shardopt.core import adamw, plan_partition, with_state_dtype
 from shardopt.functional import layout_cost, register_grad_hooks, shard
 from shardopt.testing import spawn

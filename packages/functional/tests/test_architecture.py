@@ -43,7 +43,7 @@ def test_no_engine_module_imports_from_above_the_engine(path: pathlib.Path) -> N
 
 SOURCES = sorted(
     path
-    for package in ("core", "functional", "testing")
+    for package in ("core", "functional", "testing", "devtools")
     for path in (pathlib.Path(__file__).parents[2] / package / "src" / "shardopt").rglob("*.py")
 )
 
@@ -101,3 +101,18 @@ def test_a_stage_2_gradient_crosses_at_most_8_files_and_no_call_goes_back_up() -
     assert back is not None, out.stdout
     assert int(files.group(1)) <= 8, out.stdout
     assert int(back.group(1)) == 0, back.group(2)
+
+
+LIBRARY = [p for p in SOURCES if "/devtools/" not in p.as_posix()]
+
+
+def test_the_library_imports_no_developer_tool_but_the_commands_optional_hook() -> None:
+    """Installing the library ships the library ([Note: developer tools] in cli/_cli.py): no
+    module of core, functional or testing imports shardopt.devtools, but the command's guarded
+    import of its parsers."""
+    importing = sorted(
+        path.as_posix().split("/src/", 1)[1]
+        for path in LIBRARY
+        if any(m.startswith("shardopt.devtools") for m in imported_modules(path))
+    )
+    assert importing == ["shardopt/cli/_cli.py"]

@@ -13,7 +13,7 @@ from _launch_ranks import (
     summed,
 )
 
-from shardopt.cli._cli_launch import TorchrunEnv, launch, resolve_backend, torchrun_env
+from shardopt.cli.launch import TorchrunEnv, launch, resolve_backend, torchrun_env
 
 
 def test_launch_returns_each_ranks_result_in_rank_order(no_leaks):

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardopt.cli._cli import main
-from shardopt.cli._cli_measure import count_collectives, measure_ddp, measure_sharded, traffic_of
-from shardopt.cli._cli_models import PRESETS
 from shardopt.cli._plan_cli_predict import DDP, predict
 from shardopt.cli._plan_cli_source import load_params, params_of
+from shardopt.cli.measure import count_collectives, measure_ddp, measure_sharded, traffic_of
+from shardopt.cli.models import PRESETS
 from shardopt.core import DEFAULT_BUCKET_NUMEL, adamw, plan_partition, with_state_dtype
 from shardopt.functional import RankBytes, Traffic, register_grad_hooks, shard
 from shardopt.testing import spawn

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardopt.cli._cli_measure import storage_bytes
+from shardopt.cli.measure import storage_bytes
 from shardopt.core import adamw, muon, newton_schulz_flops, partition, plan_partition, sgd
 from shardopt.functional import (
     consolidate_state_dict,

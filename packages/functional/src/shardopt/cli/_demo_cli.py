@@ -55,14 +55,14 @@ def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo with parsed ``args`` (locally, or in this torchrun process)."""
     import torch
 
-    from shardopt.cli._cli_launch import (
+    from shardopt.cli._demo_train import DemoConfig, train_rank
+    from shardopt.cli.launch import (
         launch,
         leave_torchrun_worker,
         resolve_backend,
         run_under_torchrun,
         torchrun_env,
     )
-    from shardopt.cli._demo_train import DemoConfig, train_rank
 
     env = torchrun_env()
     if env is None and args.world_size < 1:

@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardopt.cli._cli_measure import measure_ddp, measure_sharded, storage_bytes
-from shardopt.cli._cli_models import GPT, GPTConfig
-from shardopt.cli._cli_torch import zero_redundancy_optimizer
 from shardopt.cli._demo_data import VOCAB, decode, encode, read_corpus, sample_batch, stdlib_dir
 from shardopt.cli._demo_report import DemoReport, format_report, write_png
+from shardopt.cli.measure import measure_ddp, measure_sharded, storage_bytes
+from shardopt.cli.models import GPT, GPTConfig
+from shardopt.cli.torch_optim import zero_redundancy_optimizer
 from shardopt.core import adamw, plan_partition
 from shardopt.functional import (
     RankBytes,

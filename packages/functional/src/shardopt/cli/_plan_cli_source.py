@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardopt.cli._cli_models import PRESETS
 from shardopt.cli._plan_cli_predict import ParamSpec
+from shardopt.cli.models import PRESETS
 from shardopt.core import TensorSpec
 
 __all__ = ["load_params", "params_of"]

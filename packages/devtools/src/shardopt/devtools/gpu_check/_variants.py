@@ -143,7 +143,7 @@ def shard_trainer(
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max|ours - ref| / max|ref|, in float64 (see ``_stats.relative_error``)."""
-    from shardopt.cli.gpu_check._stats import relative_error
+    from shardopt.devtools.gpu_check._stats import relative_error
 
     diff = (ours.detach().double() - ref.detach().double()).abs().max().item()
     return relative_error(diff, ref.detach().double().abs().max().item())

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from shardopt.cli.gpu_check._report import Item, Status, failed_item
-from shardopt.cli.gpu_check._variants import (
+from shardopt.devtools.gpu_check._report import Item, Status, failed_item
+from shardopt.devtools.gpu_check._variants import (
     Trainer,
     device_batch,
     drop_in,

@@ -14,7 +14,7 @@ __all__ = ["add_bench_parser", "run_bench"]
 
 def add_bench_parser(commands: Any) -> None:
     """Adds the ``bench`` subcommand to ``commands`` (an argparse subparsers object)."""
-    from shardopt.cli._bench_run import MODELS, OVERLAP_BUCKET_NUMEL, Variant
+    from shardopt.devtools.bench._run import MODELS, OVERLAP_BUCKET_NUMEL, Variant
 
     p = commands.add_parser(
         "bench",
@@ -75,15 +75,15 @@ def _pick(value: int | None, quick: bool, quick_default: int, default: int) -> i
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the bench with parsed ``args``: ``repeats`` runs of every world size (the world
     sizes alternating), then the table, JSON and PNG."""
-    from shardopt.cli._bench_report import (
+    from shardopt.cli.launch import launch
+    from shardopt.devtools.bench._report import (
         bench_json,
         merge_run,
         render_bench_table,
         summarize,
         write_bench_png,
     )
-    from shardopt.cli._bench_run import BASELINE, BenchConfig, Variant, bench_rank
-    from shardopt.cli._cli_launch import launch
+    from shardopt.devtools.bench._run import BASELINE, BenchConfig, Variant, bench_rank
 
     if not args.world_size or any(w < 1 for w in args.world_size):
         raise ValueError(f"bench: expected world sizes >= 1, got {args.world_size}")
@@ -133,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # ``python -m shardopt.cli._bench_cli``: the bench alone
+if __name__ == "__main__":  # ``python -m shardopt.devtools.bench._cli``: the bench alone
     import sys
 
     _parser = argparse.ArgumentParser(prog="shardopt")

@@ -22,7 +22,7 @@ __all__ = ["SYNC_WARNING", "culprit", "recording_syncs", "sync_debug_mode", "tal
 # frames excepted), so the report lists them all, counted.
 SYNC_WARNING = "synchronizing CUDA operation"
 _PACKAGE = os.sep + "shardopt" + os.sep
-_OURS = os.sep + os.path.join("shardopt", "cli", "gpu_check") + os.sep
+_OURS = os.sep + os.path.join("shardopt", "devtools") + os.sep
 
 
 class _Frame(Protocol):

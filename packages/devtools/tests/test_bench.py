@@ -9,15 +9,15 @@ import json
 import pytest
 import torch
 
-from shardopt.cli._bench_cli import add_bench_parser
-from shardopt.cli._bench_report import (
+from shardopt.devtools.bench._cli import add_bench_parser
+from shardopt.devtools.bench._report import (
     RATIOS,
     merge_run,
     render_bench_table,
     summarize,
     write_bench_png,
 )
-from shardopt.cli._bench_run import BenchConfig, RankRun, Variant, VariantRun, _Runner, _Slot
+from shardopt.devtools.bench._run import BenchConfig, RankRun, Variant, VariantRun, _Runner, _Slot
 from shardopt.testing import spawn
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from shardopt.cli.gpu_check._report import Item, Status, failed_item
-from shardopt.cli.gpu_check._stats import (
+from shardopt.devtools.gpu_check._report import Item, Status, failed_item
+from shardopt.devtools.gpu_check._stats import (
     adamw_bytes,
     bandwidth_fraction,
     copy_bytes,
@@ -19,8 +19,8 @@ from shardopt.cli.gpu_check._stats import (
     median,
     ratio,
 )
-from shardopt.cli.gpu_check._syncs import recording_syncs, sync_debug_mode, tally
-from shardopt.cli.gpu_check._variants import (
+from shardopt.devtools.gpu_check._syncs import recording_syncs, sync_debug_mode, tally
+from shardopt.devtools.gpu_check._variants import (
     Trainer,
     device_batch,
     drop_in,

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from shardopt.cli.gpu_check._report import Item, Status
+from shardopt.devtools.gpu_check._report import Item, Status
 
 __all__ = ["demo_command", "demo_item", "parse_demo_output", "run_demo"]
 

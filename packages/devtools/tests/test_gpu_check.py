@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from shardopt.cli import build_parser
-from shardopt.cli.gpu_check import _runner
-from shardopt.cli.gpu_check._demo_item import demo_item, parse_demo_output
-from shardopt.cli.gpu_check._junit import junit_items, pytest_command, pytest_run_item
-from shardopt.cli.gpu_check._report import (
+from shardopt.devtools.gpu_check import _runner
+from shardopt.devtools.gpu_check._demo_item import demo_item, parse_demo_output
+from shardopt.devtools.gpu_check._junit import junit_items, pytest_command, pytest_run_item
+from shardopt.devtools.gpu_check._report import (
     Item,
     Report,
     Status,
@@ -27,7 +27,7 @@ from shardopt.cli.gpu_check._report import (
     failed_item,
     write_report,
 )
-from shardopt.cli.gpu_check._stats import (
+from shardopt.devtools.gpu_check._stats import (
     adamw_bytes,
     bandwidth_fraction,
     fits_in_memory,
@@ -35,10 +35,10 @@ from shardopt.cli.gpu_check._stats import (
     median,
     ratio,
 )
-from shardopt.cli.gpu_check._syncs import SYNC_WARNING, culprit, recording_syncs
+from shardopt.devtools.gpu_check._syncs import SYNC_WARNING, culprit, recording_syncs
 from shardopt.testing import World
 
-REPO = Path(__file__).resolve().parents[4]
+REPO = Path(__file__).resolve().parents[3]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 JUNIT = (
     '<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite '
@@ -214,7 +214,7 @@ def test_interleaved_rounds_put_every_variant_first_equally_often():
 
 
 def test_step_times_pass_only_when_both_ratios_are_at_most_one():
-    from shardopt.cli.gpu_check._perf import step_time_items
+    from shardopt.devtools.gpu_check._perf import step_time_items
 
     times = {
         "torch_adamw": [2.0, 2.0, 9.0],
@@ -265,7 +265,11 @@ def test_every_sync_warning_is_listed_with_the_shardopt_frame_that_caused_it():
 
 def test_a_sync_outside_shardopt_is_named_as_such():
     frames = [
-        type("F", (), {"filename": "/x/shardopt/cli/gpu_check/_perf.py", "lineno": 9, "name": "f"}),
+        type(
+            "F",
+            (),
+            {"filename": "/x/shardopt/devtools/gpu_check/_perf.py", "lineno": 9, "name": "f"},
+        ),
         type("F", (), {"filename": "/x/torch/_tensor.py", "lineno": 3, "name": "item"}),
     ]
     assert culprit(frames) == "(outside shardopt) torch/_tensor.py:3 in item"

@@ -8,7 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from shardopt.cli.gpu_check._report import Item, Status
+from shardopt.devtools.gpu_check._report import Item, Status
 
 __all__ = ["PLUGIN", "junit_items", "pytest_command", "plugin_is_installed", "run_gpu_tests"]
 

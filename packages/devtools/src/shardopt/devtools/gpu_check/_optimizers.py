@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from shardopt.cli.gpu_check._report import Item, Status, failed_item
-from shardopt.cli.gpu_check._variants import max_rel_error, rel_error
+from shardopt.devtools.gpu_check._report import Item, Status, failed_item
+from shardopt.devtools.gpu_check._variants import max_rel_error, rel_error
 
 __all__ = ["KWARGS", "TOLERANCE", "check_optimizer", "check_optimizers", "tolerance"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardopt.cli._bench_run import (
+from shardopt.devtools.bench._run import (
     BASELINE,
     REFERENCE,
     RankRun,

@@ -1,4 +1,4 @@
-"""The GPU check's command: ``python -m shardopt.cli.gpu_check`` and ``shardopt gpu-check``."""
+"""The GPU check's command: ``python -m shardopt.devtools.gpu_check`` and ``shardopt gpu-check``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shardopt.cli.gpu_check._report import Item, Report, Status, failed_item, write_report
+from shardopt.devtools.gpu_check._report import Item, Report, Status, failed_item, write_report
 
 __all__ = [
     "ITEMS",
@@ -75,7 +75,7 @@ def parse_items(text: str) -> list[str]:
 
 
 def _repo_root() -> str:
-    """The checkout this module runs from (packages/functional/src/shardopt/cli/gpu_check/),
+    """The checkout this module runs from (packages/functional/src/shardopt/devtools/gpu_check/),
     else the current folder."""
     root = Path(__file__).resolve().parents[6]
     return str(root) if (root / "packages").is_dir() else os.getcwd()
@@ -138,7 +138,7 @@ def one_rank_world(backend: str, device: Any) -> Iterator[None]:
 
 
 def _checks(args: argparse.Namespace, device: Any, out: str) -> dict[str, Callable[[], list[Item]]]:
-    from shardopt.cli.gpu_check import _demo_item, _junit, _optimizers, _perf, _training
+    from shardopt.devtools.gpu_check import _demo_item, _junit, _optimizers, _perf, _training
 
     repo = args.repo or _repo_root()
     return {
@@ -178,7 +178,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from shardopt.cli.gpu_check._report import environment
+    from shardopt.devtools.gpu_check._report import environment
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -213,8 +213,8 @@ def _run_in_world(report: Report, letters: list[str], checks: Any, backend: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardopt.cli.gpu_check [options]``."""
-    prog = "python -m shardopt.cli.gpu_check"
+    """``python -m shardopt.devtools.gpu_check [options]``."""
+    prog = "python -m shardopt.devtools.gpu_check"
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
     return run_gpu_check(parser.parse_args(argv))

@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from shardopt.cli._cli_measure import PeakMemory, count_collectives, traffic_of
-from shardopt.cli._cli_models import GPT, GPTConfig, build_mlp_stack
-from shardopt.cli._cli_torch import zero_redundancy_optimizer
+from shardopt.cli.measure import PeakMemory, count_collectives, traffic_of
+from shardopt.cli.models import GPT, GPTConfig, build_mlp_stack
+from shardopt.cli.torch_optim import zero_redundancy_optimizer
 from shardopt.core import DEFAULT_BUCKET_NUMEL, adam, plan_partition
 from shardopt.functional import (
     Traffic,

@@ -1,8 +1,0 @@
-"""``python -m shardopt.cli.gpu_check``: the GPU check (what ``ci/nox.sh -s gpu`` runs)."""
-
-import sys
-
-from shardopt.cli.gpu_check import main
-
-if __name__ == "__main__":
-    sys.exit(main())
