@@ -109,7 +109,6 @@ class GradReducer:
         self.layout = layout
         self.grads = GradShards(layout)
         self.free_grads = free_grads
-        self.order = tuple(reversed(layout.keys))
         self.present = [False] * len(layout.plan.tensors)
         self.accumulate = False
         self.launched_early = 0.0
@@ -128,7 +127,7 @@ class GradReducer:
 
     def reduce(self, grads: Sequence[torch.Tensor | None]) -> list[bool]:
         """Reduces full local ``grads`` (one per plan tensor) and returns which were present."""
-        for key in self.order:
+        for key in self.grads.order:
             self.grads.start_reduce(key, grads, accumulate=self.accumulate)
         self.present = [g is not None for g in grads]
         return self.finish()

@@ -207,8 +207,8 @@ class GradShards:
         self._staging: GradStaging | None = None
         self._queue = PendingQueue()
         self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
-        self._order = tuple(reversed(layout.keys))  # the launch order: the last bucket first
-        self._next = 0  # the next bucket of _order to launch
+        self.order = tuple(reversed(layout.keys))  # the launch order: the last bucket first
+        self._next = 0  # the next bucket of order to launch
 
     @property
     def shards(self) -> tuple[torch.Tensor, ...]:
@@ -305,15 +305,15 @@ class GradShards:
         order: each has all its gradients and every bucket after it is launched."""
         self._expected[self.layout.touching[t]] -= 1
         start = self._next
-        while self._next < len(self._order) and self._expected[self._order[self._next]] == 0:
+        while self._next < len(self.order) and self._expected[self.order[self._next]] == 0:
             self._next += 1
-        return list(self._order[start : self._next])
+        return list(self.order[start : self._next])
 
     def unstarted(self) -> list[BucketKey]:
         """The buckets not launched in this pass, in launch order (the end of a backward pass,
         where some tensors had no gradient); they count as launched from here."""
-        start, self._next = self._next, len(self._order)
-        return list(self._order[start:])
+        start, self._next = self._next, len(self.order)
+        return list(self.order[start:])
 
 
 def replica_chunks(numel: int, replicas: int) -> list[int]:
