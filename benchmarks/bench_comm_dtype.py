@@ -119,8 +119,8 @@ def _shard_error(run: list, local: list[torch.Tensor], exact: list[torch.Tensor]
     """Steps ``run`` on ``local``; the error of this rank's averaged gradient shard."""
     sharded, copies, state = run
     run[2] = state = sharded.step(copies, [g.clone() for g in local], state)
-    layout, err2, ref2 = state.layout, 0.0, 0.0
-    for p in layout.pieces:
+    param_buffers, err2, ref2 = state.param_buffers, 0.0, 0.0
+    for p in param_buffers.pieces:
         got = state.reducer.shards[p.group][p.offset : p.offset + p.numel].double()
         want = exact[p.tensor].reshape(-1)[p.start : p.stop]
         err2 += float((got - want).square().sum())

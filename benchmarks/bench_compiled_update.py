@@ -4,7 +4,7 @@ fused AdamW on the same flat size, interleaved step by step in one world (gloo o
 
 Float32 parameters of ``--numel`` elements in ``--tensors`` equal tensors, stage 1, a flat plan,
 fixed gradients given to ``step``. Variants (ratios to ``adamw fused``, built-in ``adamw`` run
-eagerly through its fused flat rule):
+eagerly through its fused piece rule):
 
 - ``adamw chain``: ``chain(clip_by_global_norm(1.0), scale_by_adam(), add_decayed_weights(1e-2),
   scale_by_learning_rate(warmup_cosine_decay(...)))``, eager and compiled;
@@ -147,9 +147,9 @@ def measure(
     chain = "adamw chain compiled"
     for _ in range(max(0, SCHEDULE_STEPS - rounds - WARMUP)):  # the schedule's 100 steps
         built["steps"][chain]()
-    update = compiled_update(built["boxes"][chain]["state"].layout)
+    update = compiled_update(built["boxes"][chain]["state"].param_buffers)
     compiled = [n for n in names if VARIANTS[n][1]]
-    updates = {n: compiled_update(built["boxes"][n]["state"].layout) for n in compiled}
+    updates = {n: compiled_update(built["boxes"][n]["state"].param_buffers) for n in compiled}
     fallbacks = {n: u.fallback for n, u in updates.items()}  # type: ignore[union-attr]
     graphs = {n: u.graphs for n, u in updates.items()}  # type: ignore[union-attr]
     return {

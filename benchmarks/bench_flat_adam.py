@@ -1,4 +1,4 @@
-"""Times update_flat_ of adam, adamw, sgd(momentum) against torch.optim fused, foreach, default."""
+"""Times update_pieces_ of adam, adamw, sgd(momentum) against torch.optim fused, foreach, plain."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from shardopt.core import adam, adamw, sgd, update_flat_
+from shardopt.core import adam, adamw, sgd, update_pieces_
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "bench_flat_adam.json"
 
@@ -28,12 +28,12 @@ FAMILIES: dict[str, tuple[Callable[..., Any], type[torch.optim.Optimizer], dict[
 }
 # variant -> torch optimizer kwargs (None: ours); "fused" is the baseline of the ratios.
 VARIANTS: dict[str, dict[str, Any] | None] = {
-    "ours_update_flat_": None,
+    "ours_update_pieces_": None,
     "torch_fused": {"fused": True},
     "torch_foreach": {"foreach": True},
     "torch_default": {},
 }
-OURS, BASELINE = "ours_update_flat_", "torch_fused"
+OURS, BASELINE = "ours_update_pieces_", "torch_fused"
 
 
 def make_steppers(family: str, numel: int, seed: int = 0) -> dict[str, Callable[[], None]]:
@@ -49,7 +49,7 @@ def make_steppers(family: str, numel: int, seed: int = 0) -> dict[str, Callable[
             tx = factory(**hyper)
             state = tx.init([p])
             g = grad.clone()
-            steppers[name] = lambda tx=tx, p=p, g=g, state=state: update_flat_(tx, [p], [g], state)
+            steppers[name] = lambda tx=tx, p=p, g=g, s=state: update_pieces_(tx, [p], [g], s)
         else:
             p.grad = grad.clone()
             opt = torch_cls([p], **hyper, **kwargs)

@@ -6,7 +6,7 @@ state, and AdamW under core's ``with_state_dtype(..., torch.bfloat16)`` (moments
 bfloat16, updates computed in float32, parameters float32). The two runs step in lockstep,
 each on its own copy of the model. Reported: each run's loss per step (the mean over ranks), the
 mean of the last 20, the largest gap between the curves, and each rank's optimizer state bytes,
-measured (the tensors of the sharded state) and predicted (``layout_cost(...,
+measured (the tensors of the sharded state) and predicted (``shard_cost(...,
 state_dtype=...)``). Writes out/bench_state_dtype.json and out/bench_state_dtype.png.
 
     python benchmarks/bench_state_dtype.py [--steps 200] [--world 2]
@@ -26,7 +26,7 @@ from shardopt.cli._demo_data import encode, read_corpus, sample_batch
 from shardopt.cli._demo_train import DemoConfig, build_model
 from shardopt.cli.measure import measure_sharded
 from shardopt.core import adamw, plan_partition, with_state_dtype
-from shardopt.functional import layout_cost, register_grad_hooks, shard
+from shardopt.functional import register_grad_hooks, shard, shard_cost
 from shardopt.testing import spawn
 
 from _bench_io import write_results
@@ -66,7 +66,7 @@ def train(rank: int, world: int, steps: int) -> dict[str, Any]:
     out = {}
     for name, (_, params, _, state, losses, plan, dtype) in runs.items():
         held = measure_sharded(params, state).optimizer
-        predicted = layout_cost(plan, stage=2, state_dtype=dtype)[0][rank].optimizer
+        predicted = shard_cost(plan, stage=2, state_dtype=dtype)[0][rank].optimizer
         out[name] = {"losses": losses, "optimizer_bytes": held, "predicted_bytes": predicted}
     return out
 

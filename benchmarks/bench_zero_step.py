@@ -89,7 +89,7 @@ def local_state_bytes(opt: Any) -> int:
             if unit is not None
             for f in unit.state.fields
             for b in f.buffers
-            if f.kind.value == "elementwise"
+            if f.granularity.value == "elementwise"
         )
     seen, total = set(), 0
     for entry in opt.optim.state.values():

@@ -142,7 +142,7 @@ def train(
         "calls": backend.calls,
         "ops": backend.ops,
         "breaks": breaks,
-        "buckets": len(state.layout.keys),
+        "buckets": len(state.param_buffers.keys),
         "modules": modules,
     }
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import adafactor, apply_updates, linear_warmup, update_flat_
+from shardopt.core import adafactor, apply_updates, linear_warmup, update_pieces_
 from shardopt.core.blocks import needs_whole_tensors, tree_leaves, tree_map
 from shardopt.testing import requires_torch
 
@@ -116,12 +116,14 @@ def test_adafactor_rejects_what_torch_rejects(kwargs: dict[str, Any], message: s
     assert_rejected_like_torch(adafactor, torch.optim.Adafactor, kwargs, message)
 
 
-def test_update_flat_refuses_adafactor_whose_factors_need_whole_matrices() -> None:
+def test_update_pieces_refuses_adafactor_whose_factors_need_whole_matrices() -> None:
     tx = adafactor()
     assert needs_whole_tensors(tx)
     params = [torch.ones(6)]  # say, a flat slice of a 2 x 3 matrix
-    with pytest.raises(ValueError, match=re.escape("update_flat_: adafactor needs whole tensors")):
-        update_flat_(tx, params, [torch.ones(6)], tx.init(params))
+    with pytest.raises(
+        ValueError, match=re.escape("update_pieces_: adafactor needs whole tensors")
+    ):
+        update_pieces_(tx, params, [torch.ones(6)], tx.init(params))
 
 
 # --- torch.func (test_func.py also runs it through its factory table) --------------------------

@@ -1,4 +1,4 @@
-"""asgd against torch.optim.ASGD: options, schedules, the flat rule, torch.func and bad inputs."""
+"""asgd against torch.optim.ASGD: options, schedules, the piece rule, torch.func and bad inputs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardopt.core import Transformation, apply_updates, asgd, update_flat_, warmup_cosine_decay
-from shardopt.core.blocks import flat_rule, tree_leaves, tree_map
+from shardopt.core import Transformation, apply_updates, asgd, update_pieces_, warmup_cosine_decay
+from shardopt.core.blocks import piece_rule, tree_leaves, tree_map
 
 from _core_helpers import assert_rejected_like_torch, option_id, scheduled, skip_every_third
 
@@ -63,7 +63,7 @@ def test_asgd_keeps_eta_and_mu_as_float32_scalars_per_parameter_like_torch() -> 
     state = asgd(lr=torch.tensor(0.1, dtype=torch.float64)).init(params)[-1]
     for field in (state.eta, state.mu, state.count):
         assert all(t.shape == () and t.dtype == torch.float32 for t in tree_leaves(field))
-    assert state.eta["w"] is not state.eta["b"], "a flat rule updates each eta in place"
+    assert state.eta["w"] is not state.eta["b"], "a piece rule updates each eta in place"
     assert state.eta["w"].item() == torch.tensor(0.1).item()
 
 
@@ -79,7 +79,7 @@ def test_asgd_rejects_what_torch_rejects(kwargs: dict[str, Any], message: str) -
     assert_rejected_like_torch(asgd, torch.optim.ASGD, kwargs, message)
 
 
-# --- the flat rule ------------------------------------------------------------------------------
+# --- the piece rule ------------------------------------------------------------------------------
 
 SIZES = (1, 17, 1000)
 FLAT_CASES = [
@@ -110,7 +110,7 @@ def run_flat(tx: Transformation, dtype: torch.dtype) -> tuple[list[torch.Tensor]
     params = flat_params(dtype)
     state = tx.init(params)
     for grads in flat_grads(dtype):
-        update_flat_(tx, params, grads, state)
+        update_pieces_(tx, params, grads, state)
     return params, state
 
 
@@ -129,11 +129,11 @@ def flat_id(options: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("options", FLAT_CASES, ids=flat_id)
-def test_update_flat_of_asgd_matches_torch_foreach_asgd_bitwise_for_20_steps(
+def test_update_pieces_of_asgd_matches_torch_foreach_asgd_bitwise_for_20_steps(
     options: dict[str, Any], dtype: torch.dtype
 ) -> None:
     tx = asgd(**options)
-    assert flat_rule(tx) is not None
+    assert piece_rule(tx) is not None
     params, state = run_flat(tx, dtype)
     torch_params = [p.requires_grad_(True) for p in flat_params(dtype)]
     opt = torch.optim.ASGD(torch_params, foreach=True, **options)
@@ -149,10 +149,10 @@ def test_update_flat_of_asgd_matches_torch_foreach_asgd_bitwise_for_20_steps(
 
 
 @pytest.mark.parametrize("options", FLAT_CASES, ids=flat_id)
-def test_update_flat_of_asgd_matches_the_pure_path_to_float32_rounding(
+def test_update_pieces_of_asgd_matches_the_pure_path_to_float32_rounding(
     options: dict[str, Any],
 ) -> None:
-    # torch's foreach path (the flat rule) folds the decay into one addcmul and computes eta in
+    # torch's foreach path (the piece rule) folds the decay into one addcmul and computes eta in
     # float32, its single-tensor path (the pure rule) in double: a few roundings per step apart.
     flat, flat_state = run_flat(asgd(**options), torch.float32)
     pure, pure_state = run_pure(asgd(**options), torch.float32)
@@ -163,14 +163,14 @@ def test_update_flat_of_asgd_matches_the_pure_path_to_float32_rounding(
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
 
 
-def test_update_flat_of_asgd_skips_none_grads_and_updates_state_tensors_in_place() -> None:
+def test_update_pieces_of_asgd_skips_none_grads_and_updates_state_tensors_in_place() -> None:
     tx = asgd(0.1, t0=0.0)
     params = flat_params(torch.float32)
     initial = [p.clone() for p in params]
     state = tx.init(params)
     own = state[-1]
     held = {field: list(getattr(own, field)) for field in STATE_KEYS.values()}
-    update_flat_(tx, params, [torch.ones(SIZES[0]), None, torch.ones(SIZES[2])], state)
+    update_pieces_(tx, params, [torch.ones(SIZES[0]), None, torch.ones(SIZES[2])], state)
     assert torch.equal(params[1], initial[1]), "a parameter without gradient moved"
     assert not torch.equal(params[0], initial[0])
     for field, tensors in held.items():

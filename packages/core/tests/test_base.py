@@ -18,16 +18,16 @@ from shardopt.core import (
     multi_steps,
     scale,
     scale_by_learning_rate,
-    update_flat_,
+    update_pieces_,
 )
 from shardopt.core._tree import zeros_like_tree
 from shardopt.core.blocks import (
-    flat_rule,
     init_count,
     leafwise,
+    piece_rule,
     tree_leaves,
     tree_map,
-    with_flat_rule,
+    with_piece_rule,
 )
 
 
@@ -159,9 +159,9 @@ def test_zeros_like_tree_keeps_none_leaves() -> None:
     assert torch.equal(zeros[0], torch.zeros(2, dtype=torch.float64))
 
 
-def test_update_flat_without_a_rule_matches_the_pure_path_in_place() -> None:
+def test_update_pieces_without_a_rule_matches_the_pure_path_in_place() -> None:
     tx = multi_steps(chain(add_decayed_weights(0.1), scale_by_learning_rate(0.5)), every_k=2)
-    assert flat_rule(tx) is None
+    assert piece_rule(tx) is None
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(5, generator=gen), torch.randn(3, generator=gen)]
     state = tx.init(params)
@@ -172,7 +172,7 @@ def test_update_flat_without_a_rule_matches_the_pure_path_in_place() -> None:
             torch.randn(5, generator=gen),
             None if step == 1 else torch.randn(3, generator=gen),
         ]
-        update_flat_(tx, params, grads, state)
+        update_pieces_(tx, params, grads, state)
         updates, ref_state = tx.update(grads, ref_state, ref_params)
         ref_params = apply_updates(ref_params, updates)
         assert [id(p) for p in params] == param_ids
@@ -181,18 +181,18 @@ def test_update_flat_without_a_rule_matches_the_pure_path_in_place() -> None:
             assert torch.equal(ours, ref)
 
 
-def test_update_flat_uses_a_registered_rule() -> None:
+def test_update_pieces_uses_a_registered_rule() -> None:
     calls: list[tuple[Any, ...]] = []
-    tx = with_flat_rule(scale(1.0), lambda p, g, s: calls.append((p, g, s)))
-    assert flat_rule(tx) is not None
+    tx = with_piece_rule(scale(1.0), lambda p, g, s: calls.append((p, g, s)))
+    assert piece_rule(tx) is not None
     params, grads = (torch.zeros(2),), (torch.ones(2),)
-    update_flat_(tx, params, grads, EmptyState())
+    update_pieces_(tx, params, grads, EmptyState())
     assert len(calls) == 1
     assert calls[0][0][0] is params[0]
     assert torch.equal(params[0], torch.zeros(2)), "the pure path ran instead of the rule"
 
 
-def test_update_flat_rejects_a_grads_list_of_another_length() -> None:
+def test_update_pieces_rejects_a_grads_list_of_another_length() -> None:
     tx = scale(1.0)
-    with pytest.raises(ValueError, match="update_flat_: expected as many grads as params"):
-        update_flat_(tx, [torch.zeros(1)], [], EmptyState())
+    with pytest.raises(ValueError, match="update_pieces_: expected as many grads as params"):
+        update_pieces_(tx, [torch.zeros(1)], [], EmptyState())

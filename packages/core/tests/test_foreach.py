@@ -1,4 +1,4 @@
-"""The in-place flat rules of rmsprop, adamax, nadam, radam, adadelta and rprop (update_flat_)."""
+"""The piece rules (in place, update_pieces_) of rmsprop, adamax, nadam, radam, adadelta, rprop."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import shardopt.core
-from shardopt.core import Transformation, apply_updates, linear_warmup, update_flat_
-from shardopt.core.blocks import flat_rule, tree_leaves
+from shardopt.core import Transformation, apply_updates, linear_warmup, update_pieces_
+from shardopt.core.blocks import piece_rule, tree_leaves
 
 SIZES = (1, 17, 1000)
 STEPS = 20
@@ -82,7 +82,7 @@ def run_flat(tx: Transformation, dtype: torch.dtype, grads: list[Any]) -> tuple[
     params = flat_params(dtype)
     state = tx.init(params)
     for step_grads in grads:
-        update_flat_(tx, params, step_grads, state)
+        update_pieces_(tx, params, step_grads, state)
     return params, state
 
 
@@ -113,17 +113,17 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_every_factory_registers_a_flat_rule(case: tuple[str, dict[str, Any]]) -> None:
-    assert flat_rule(build(*case)) is not None
+def test_every_factory_registers_a_piece_rule(case: tuple[str, dict[str, Any]]) -> None:
+    assert piece_rule(build(*case)) is not None
 
 
-# [Note: flat rules against torch's foreach]
-# The flat rules run torch's foreach kernels in the order of torch's foreach implementation with
+# [Note: piece rules against torch's foreach]
+# The piece rules run torch's foreach kernels in the order of torch's foreach implementation with
 # the same Python float scalars (see [Note: foreach rules]), so on CPU their parameters and state
 # are bitwise equal to torch.optim.<Class>(foreach=True), skipped gradients included.
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_update_flat_matches_torch_foreach_bitwise_for_20_steps(
+def test_update_pieces_matches_torch_foreach_bitwise_for_20_steps(
     case: tuple[str, dict[str, Any]], dtype: torch.dtype
 ) -> None:
     name, options = case
@@ -139,7 +139,7 @@ def test_update_flat_matches_torch_foreach_bitwise_for_20_steps(
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_update_flat_matches_the_pure_path_for_20_steps(case: tuple[str, dict[str, Any]]) -> None:
+def test_update_pieces_matches_the_pure_path_for_20_steps(case: tuple[str, dict[str, Any]]) -> None:
     name, options = case
     grads = grad_steps(torch.float32)
     flat, flat_state = run_flat(build(name, options), torch.float32, grads)
@@ -153,7 +153,7 @@ def test_update_flat_matches_the_pure_path_for_20_steps(case: tuple[str, dict[st
 
 @pytest.mark.parametrize("name", ["rmsprop", "adamax", "nadam", "radam", "adadelta"])
 @pytest.mark.parametrize("lr_kind", ["schedule", "tensor"])
-def test_update_flat_with_a_schedule_or_tensor_lr_matches_the_pure_path(
+def test_update_pieces_with_a_schedule_or_tensor_lr_matches_the_pure_path(
     name: str, lr_kind: str
 ) -> None:
     lr = linear_warmup(0.02, 10) if lr_kind == "schedule" else torch.tensor(0.02)
@@ -169,7 +169,7 @@ def test_update_flat_with_a_schedule_or_tensor_lr_matches_the_pure_path(
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_update_flat_skips_none_grads_and_updates_state_tensors_in_place(
+def test_update_pieces_skips_none_grads_and_updates_state_tensors_in_place(
     case: tuple[str, dict[str, Any]],
 ) -> None:
     name, options = case
@@ -179,7 +179,7 @@ def test_update_flat_skips_none_grads_and_updates_state_tensors_in_place(
     state = tx.init(params)
     own = main_state(name, state)
     buffers = {field: list(getattr(own, field)) for field in STATE_KEYS[name].values()}
-    update_flat_(tx, params, [torch.ones(SIZES[0]), None, torch.full((SIZES[2],), -2.0)], state)
+    update_pieces_(tx, params, [torch.ones(SIZES[0]), None, torch.full((SIZES[2],), -2.0)], state)
     fresh = main_state(name, tx.init(initial))
     assert torch.equal(params[1], initial[1]), "a parameter without gradient moved"
     assert not torch.equal(params[0], initial[0])

@@ -16,10 +16,10 @@ from shardopt.core import (
     apply_updates,
     linear_warmup,
     sgd,
-    update_flat_,
+    update_pieces_,
 )
 from shardopt.core._fused import FUSED_DEVICES, Kernel, select_kernel, split_state
-from shardopt.core.blocks import flat_rule, tree_leaves
+from shardopt.core.blocks import piece_rule, tree_leaves
 
 from _core_helpers import option_id, torch_form
 
@@ -97,13 +97,13 @@ def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float)
 
 
 def run_flat_and_pure(tx: Any, dtype: torch.dtype, skips: bool) -> tuple[Any, ...]:
-    """``STEPS`` of update_flat_ and of the pure path on the same gradients."""
+    """``STEPS`` of update_pieces_ and of the pure path on the same gradients."""
     flat, pure = make_flat(dtype), make_flat(dtype)
     flat_state, pure_state = tx.init(flat), tx.init(pure)
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         grads = make_grads(gen, step, dtype, skips)
-        update_flat_(tx, flat, grads, flat_state)
+        update_pieces_(tx, flat, grads, flat_state)
         updates, pure_state = tx.update(grads, pure_state, pure)
         pure = apply_updates(pure, updates)
     return flat, flat_state, pure, pure_state
@@ -118,7 +118,7 @@ def force_kernel(monkeypatch: pytest.MonkeyPatch, kernel: Kernel) -> None:
 @pytest.mark.parametrize("skips", [False, True], ids=["all_grads", "none_grads"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("name", "factory", "torch_cls", "options"), CASES, ids=CASE_IDS)
-def test_update_flat_matches_the_pure_path_for_20_steps(
+def test_update_pieces_matches_the_pure_path_for_20_steps(
     monkeypatch: pytest.MonkeyPatch,
     name: str,
     factory: Any,
@@ -131,7 +131,7 @@ def test_update_flat_matches_the_pure_path_for_20_steps(
     """Parameters and every state tensor agree within float32 tolerance, by either kernel."""
     force_kernel(monkeypatch, kernel)
     tx = factory(**options)
-    assert flat_rule(tx) is not None
+    assert piece_rule(tx) is not None
     flat, flat_state, pure, pure_state = run_flat_and_pure(tx, dtype, skips)
     assert_close(flat, pure, FLOAT32_RTOL)
     for ours, ref in zip(tree_leaves(flat_state), tree_leaves(pure_state)):
@@ -152,7 +152,7 @@ TORCH_FUSED_CASES = [
     TORCH_FUSED_CASES,
     ids=[f"{c[0]}-{'none_grads' if c[4] else 'all_grads'}" for c in TORCH_FUSED_CASES],
 )
-def test_update_flat_equals_torch_fused_bitwise(
+def test_update_pieces_equals_torch_fused_bitwise(
     name: str,
     factory: Any,
     torch_cls: Any,
@@ -173,7 +173,7 @@ def test_update_flat_equals_torch_fused_bitwise(
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         grads = make_grads(gen, step, dtype, skips)
-        update_flat_(tx, ours, grads, state)
+        update_pieces_(tx, ours, grads, state)
         for p, g in zip(theirs, grads):
             p.grad = None if g is None else g.clone()
         opt.step()
@@ -212,7 +212,7 @@ def momentum_buffers(state: Any) -> list[torch.Tensor]:
 @pytest.mark.parametrize("skips", [False, True], ids=["all_grads", "none_grads"])
 @pytest.mark.parametrize("lr_kind", list(LR_KINDS))
 @pytest.mark.parametrize("options", SGD_OPTIONS, ids=option_id)
-def test_update_flat_sgd_equals_torch_sgd_bitwise_on_cpu(
+def test_update_pieces_sgd_equals_torch_sgd_bitwise_on_cpu(
     options: dict[str, Any], lr_kind: str, skips: bool, dtype: torch.dtype, foreach: bool
 ) -> None:
     """20 steps of parameters and momentum buffers: the same ops in torch's order, to the bit."""
@@ -225,7 +225,7 @@ def test_update_flat_sgd_equals_torch_sgd_bitwise_on_cpu(
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         grads = make_grads(gen, step, dtype, skips)
-        update_flat_(tx, ours, grads, state)
+        update_pieces_(tx, ours, grads, state)
         for p, g in zip(theirs, grads):
             p.grad = None if g is None else g.clone()
         opt.step()
@@ -248,7 +248,7 @@ def cut(x: torch.Tensor, cuts: tuple[int, ...]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lr_kind", list(LR_KINDS))
 @pytest.mark.parametrize("options", SGD_OPTIONS, ids=option_id)
-def test_update_flat_sgd_is_split_invariant(
+def test_update_pieces_sgd_is_split_invariant(
     options: dict[str, Any], lr_kind: str, dtype: torch.dtype, cuts: tuple[int, ...]
 ) -> None:
     """A tensor stepped whole or as pieces at odd offsets (a shard's cuts): the same bits, for
@@ -266,8 +266,8 @@ def test_update_flat_sgd_is_split_invariant(
     for step in range(STEPS):
         g = torch.randn(SPLIT_NUMEL, generator=gen, dtype=torch.float64).to(dtype)
         skip = step % 3 == 2
-        update_flat_(tx, [whole], [None if skip else g], whole_state)
-        update_flat_(tx, pieces, [None] * len(pieces) if skip else cut(g, cuts), pieces_state)
+        update_pieces_(tx, [whole], [None if skip else g], whole_state)
+        update_pieces_(tx, pieces, [None] * len(pieces) if skip else cut(g, cuts), pieces_state)
     assert torch.equal(split, whole)
     bufs = momentum_buffers(pieces_state)
     if bufs:
@@ -284,7 +284,7 @@ def test_update_flat_sgd_is_split_invariant(
     ],
     ids=["sgd", "adam", "adamw", "adagrad"],
 )
-def test_update_flat_with_a_schedule_matches_the_pure_path(factory: Any, options: Any) -> None:
+def test_update_pieces_with_a_schedule_matches_the_pure_path(factory: Any, options: Any) -> None:
     """Counts differ between tensors (None gradients): each gets its own scheduled lr."""
     tx = factory(linear_warmup(0.05, 10), **options)
     flat, flat_state, pure, pure_state = run_flat_and_pure(tx, torch.float32, skips=True)
@@ -300,7 +300,7 @@ def per_parameter_trees(state: Any) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize(("name", "factory", "torch_cls", "options"), CASES, ids=CASE_IDS)
-def test_update_flat_updates_in_place_and_skips_none_gradients(
+def test_update_pieces_updates_in_place_and_skips_none_gradients(
     name: str, factory: Any, torch_cls: Any, options: dict[str, Any]
 ) -> None:
     """The state keeps its tensor objects and storage; a None gradient leaves its parameter and
@@ -315,7 +315,7 @@ def test_update_flat_updates_in_place_and_skips_none_gradients(
     param_copies = [p.clone() for p in params]
     grads = [None, torch.randn(SIZES[1]), torch.randn(SIZES[2])]
     grad_copies = [g.clone() for g in grads[1:]]
-    update_flat_(tx, params, grads, state)
+    update_pieces_(tx, params, grads, state)
     assert per_parameter_trees(state) == trees
     for tree, objs, ptrs, olds in zip(trees, objects, pointers, copies):
         assert all(a is b for a, b in zip(tree, objs))
@@ -327,11 +327,11 @@ def test_update_flat_updates_in_place_and_skips_none_gradients(
         assert torch.equal(g, copy)
 
 
-def test_update_flat_counts_only_the_parameters_with_gradients() -> None:
+def test_update_pieces_counts_only_the_parameters_with_gradients() -> None:
     tx = adam(0.01)
     params = make_flat(torch.float32)
     state = tx.init(params)
-    update_flat_(tx, params, [None, torch.ones(SIZES[1]), torch.ones(SIZES[2])], state)
+    update_pieces_(tx, params, [None, torch.ones(SIZES[1]), torch.ones(SIZES[2])], state)
     counts = [float(c) for c in tree_leaves(_fused.split_state(state)[0].count)]
     assert counts == [0.0, 1.0, 1.0]
 
@@ -345,7 +345,7 @@ def test_update_flat_counts_only_the_parameters_with_gradients() -> None:
     ],
     ids=["adam-tensor_betas", "sgd-tensor_weight_decay", "adagrad-tensor_weight_decay"],
 )
-def test_update_flat_falls_back_to_the_pure_path_for_tensor_hyperparameters(
+def test_update_pieces_falls_back_to_the_pure_path_for_tensor_hyperparameters(
     factory: Any, options: Any
 ) -> None:
     """The fused kernels take floats: these run the pure path and copy back, bitwise equal."""
@@ -355,7 +355,7 @@ def test_update_flat_falls_back_to_the_pure_path_for_tensor_hyperparameters(
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_update_flat_and_the_pure_path_can_take_turns_on_one_state() -> None:
+def test_update_pieces_and_the_pure_path_can_take_turns_on_one_state() -> None:
     """The rule advances every count of the chain (here lr schedule and decoupled decay)."""
     tx = adamw(linear_warmup(0.01, 5), weight_decay=0.1)
     params, ref = make_flat(torch.float32), make_flat(torch.float32)
@@ -364,7 +364,7 @@ def test_update_flat_and_the_pure_path_can_take_turns_on_one_state() -> None:
     for step in range(10):
         grads = make_grads(gen, step, torch.float32, skips=True)
         if step % 2:
-            update_flat_(tx, params, grads, state)
+            update_pieces_(tx, params, grads, state)
         else:
             updates, state = tx.update(grads, state, params)
             params = apply_updates(params, updates)
@@ -411,14 +411,14 @@ def test_select_kernel(params: Any, grads: Any, fused_on: frozenset[str], kernel
     assert select_kernel(params, grads, fused_on=fused_on) is kernel
 
 
-def test_update_flat_handles_non_contiguous_parameters() -> None:
+def test_update_pieces_handles_non_contiguous_parameters() -> None:
     """A transposed parameter goes to the foreach kernels (fused ones walk memory in order)."""
     tx = adam(0.1, amsgrad=True)
     param, grad = torch.randn(4, 5).t(), torch.randn(5, 4)
     ref = param.clone()
     state, ref_state = tx.init([param]), tx.init([ref])
     for _ in range(3):
-        update_flat_(tx, [param], [grad], state)
+        update_pieces_(tx, [param], [grad], state)
         updates, ref_state = tx.update([grad], ref_state, [ref])
         ref = apply_updates([ref], updates)[0]
     assert_close([param.reshape(-1)], [ref.reshape(-1)], FLOAT32_RTOL)

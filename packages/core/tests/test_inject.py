@@ -23,10 +23,10 @@ from shardopt.core import (
     rmsprop,
     set_hyperparams,
     sgd,
-    update_flat_,
+    update_pieces_,
 )
 from shardopt.core._fused import split_state
-from shardopt.core.blocks import flat_rule, needs_whole_tensors, tree_leaves, tree_map
+from shardopt.core.blocks import needs_whole_tensors, piece_rule, tree_leaves, tree_map
 
 DTYPES = [torch.float64, torch.float32]
 Scheduler = Callable[[torch.optim.Optimizer], Any]
@@ -215,13 +215,13 @@ def test_the_param_gradient_under_torch_func_grad_is_the_plain_factorys() -> Non
 @pytest.mark.parametrize(
     ("factory", "options"), [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES]
 )
-def test_the_flat_rule_is_the_plain_factorys_and_matches_the_pure_path(
+def test_the_piece_rule_is_the_plain_factorys_and_matches_the_pure_path(
     factory: Any, options: dict[str, Any]
 ) -> None:
-    """update_flat_ of the injected form runs the plain factory's in-place rule: bitwise equal to
+    """update_pieces_ of the injected form runs the plain factory's in-place rule: bitwise equal to
     it with the lr changed every other step, and within float32 tolerance of the pure path."""
     tx = inject_hyperparams(factory, lr=0.05, **options)
-    assert flat_rule(tx) is not None
+    assert piece_rule(tx) is not None
     gen = torch.Generator().manual_seed(0)
     flat = [torch.randn(n, generator=gen) for n in (1, 17, 100)]
     plain, pure = [p.clone() for p in flat], [p.clone() for p in flat]
@@ -231,8 +231,8 @@ def test_the_flat_rule_is_the_plain_factorys_and_matches_the_pure_path(
         lr = 0.05 * 0.9 ** (step // 2)
         grads = [torch.randn(p.shape, generator=gen) for p in flat]
         state = set_hyperparams(state, lr=lr)
-        update_flat_(tx, flat, grads, state)
-        update_flat_(factory(lr=lr, **options), plain, grads, plain_state)
+        update_pieces_(tx, flat, grads, state)
+        update_pieces_(factory(lr=lr, **options), plain, grads, plain_state)
         updates, pure_state = tx.update(grads, set_hyperparams(pure_state, lr=lr), pure)
         pure = apply_updates(pure, updates)
     assert all(torch.equal(a, b) for a, b in zip(flat, plain))

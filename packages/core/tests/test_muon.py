@@ -17,7 +17,7 @@ from shardopt.core import (
     masked,
     muon,
     partition,
-    update_flat_,
+    update_pieces_,
 )
 from shardopt.core._muon import orthogonalize
 from shardopt.core.blocks import needs_whole_tensors, tree_leaves
@@ -214,12 +214,12 @@ def test_muon_skips_a_none_gradient_and_keeps_its_buffer() -> None:
     ],
     ids=["muon", "chain", "masked", "partition"],
 )
-def test_update_flat_refuses_muon_alone_or_inside_combinators(build: Any) -> None:
+def test_update_pieces_refuses_muon_alone_or_inside_combinators(build: Any) -> None:
     tx = build()
     assert needs_whole_tensors(tx)
     params = [torch.zeros(2, 3)]
-    with pytest.raises(ValueError, match=r"update_flat_: muon needs whole tensors"):
-        update_flat_(tx, params, [torch.ones(2, 3)], tx.init(params))
+    with pytest.raises(ValueError, match=r"update_pieces_: muon needs whole tensors"):
+        update_pieces_(tx, params, [torch.ones(2, 3)], tx.init(params))
     assert torch.equal(params[0], torch.zeros(2, 3)), "a refused update moved the params"
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import shardopt.core
 from shardopt.core import (
     Bucket,
-    FlatGroup,
+    BufferGroup,
     Piece,
     Plan,
     Strategy,
@@ -580,7 +580,7 @@ TAMPERED = [
     ),
     pytest.param(
         GREEDY, _edit("groups", 0, "buckets", 0, "start", to=lambda n: n + 1),
-        "Plan.from_dict: groups[0]: FlatGroup: expected buckets[0] to start at 0",
+        "Plan.from_dict: groups[0]: BufferGroup: expected buckets[0] to start at 0",
         id="bucket_moved",
     ),
     pytest.param(
@@ -640,7 +640,7 @@ TAMPERED = [
     ),
     pytest.param(
         FLAT, _edit("groups", 0, "tensors", to=lambda _: [0, 0, 3]),
-        "Plan.from_dict: groups[0]: FlatGroup: expected distinct tensors, got (0, 0, 3)",
+        "Plan.from_dict: groups[0]: BufferGroup: expected distinct tensors, got (0, 0, 3)",
         id="duplicate_tensor",
     ),
     pytest.param(
@@ -700,7 +700,7 @@ def test_plan_is_frozen_and_its_public_names_are_exported_by_shardopt_core():
     for name in _plan.__all__:
         assert getattr(shardopt.core, name) is getattr(_plan, name)
     assert Strategy("flat") is Strategy.FLAT
-    assert FlatGroup("float", "cpu", [0], [0], [Bucket(0, [1])], 1).dtype == "float32"
+    assert BufferGroup("float", "cpu", [0], [0], [Bucket(0, [1])], 1).dtype == "float32"
 
 
 def _loads(plan: Plan, weight: Any) -> list[float]:

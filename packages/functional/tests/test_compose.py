@@ -213,7 +213,7 @@ def test_an_elementwise_chain_adds_no_collective_of_the_scope(world: World) -> N
     sharding = shard(momentum(0.1), plan)
     state = sharding.init(params)
     state = sharding.step(params, grads_of(0, world.rank), state)
-    assert state.layout.scope.reducer.calls == 0
+    assert state.param_buffers.scope.reducer.calls == 0
 
 
 @pytest.mark.world(4, timeout=120)
@@ -226,7 +226,7 @@ def test_a_reducing_chain_on_a_hybrid_mesh_equals_one_process_fed_the_mean_gradi
     case = "partition by dim() of clip and trust ratio"
     params = params_()
     plan = plan_partition(params, 2, strategy="flat", bucket_numel=16)  # the shard dim's size
-    sharding = shard(CASES[case](), plan, group=mesh, stage=2)
+    sharding = shard(CASES[case](), plan, process_group=mesh, stage=2)
     state = sharding.init(params)
     for step in range(STEPS):
         state = sharding.step(params, grads_of(step, world.rank), state)
@@ -262,7 +262,7 @@ def tensor_parallel_failures(world: World, strategy: str, stage: int) -> dict[st
         params = _tensor_parallel(params_(), mesh["tp"])
         assert sum(p.to_local().shape != p.shape for p in params) == 3
         plan = plan_partition(params, 2, strategy=strategy, bucket_numel=16)
-        sharding = shard(CASES[case](), plan, group=mesh["dp"], stage=stage)
+        sharding = shard(CASES[case](), plan, process_group=mesh["dp"], stage=stage)
         state = sharding.init(params)
         for step in range(STEPS):
             grads = _tensor_parallel(grads_of(step, dp), mesh["tp"])
@@ -293,7 +293,7 @@ def test_row_norms_of_tensors_split_by_tensor_parallelism_are_refused_on_every_r
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     params = _tensor_parallel(params_(), mesh["tp"])
     plan = plan_partition(params, 2, strategy="flat", bucket_numel=16)
-    sharding = shard(chain(adaptive_grad_clip(0.1), momentum(0.1)), plan, group=mesh["dp"])
+    sharding = shard(chain(adaptive_grad_clip(0.1), momentum(0.1)), plan, process_group=mesh["dp"])
     state = sharding.init(params)
     grads = _tensor_parallel(grads_of(0, mesh.get_local_rank("dp")), mesh["tp"])
     with pytest.raises(ValueError, match=r"got row sums \(row_norm\), whose rows tensor"):

@@ -102,7 +102,7 @@ def test_a_cuda_state_saved_and_loaded_consolidates_to_the_same_dict_bitwise(
         assert entry["exp_avg"].abs().max() > 0
         for key, value in entry.items():
             assert torch.equal(value, loaded["state"][index][key]), (index, key)
-    assert all(b.is_cuda for b in states[1][2].layout.buffers)
+    assert all(b.is_cuda for b in states[1][2].param_buffers.buffers)
 
 
 @pytest.mark.gpu(1)
@@ -289,7 +289,7 @@ def test_compiled_updates_on_cuda_stay_within_a_few_ulps_of_eager_and_never_reco
         if not ours:
             ours, eager = runs[1][2], runs[0][2]
         worst = max(rel_error(a, b) for a, b in zip(ours, eager))
-        update = compiled_update(runs[1][1].layout)
+        update = compiled_update(runs[1][1].param_buffers)
         if update is None or update.fallback is not None or update.recompiles or worst > 1e-5:
             failures[name] = (worst, None if update is None else update.fallback)
     assert not failures, failures

@@ -91,7 +91,7 @@ def scheduled_run(
         "as_rebuilt": all(torch.equal(a, b) for a, b in zip(params, rebuilt)),
         "lr_type": type(state.inner.hyperparams["lr"]).__name__,
         "distinct_lrs": len(set(lrs)),
-        "sliceable": _sliceable(state.inner, len(state.layout.pieces)),
+        "sliceable": _sliceable(state.inner, len(state.param_buffers.pieces)),
         "fields": sorted(f.path for f in state.fields),
     }
 

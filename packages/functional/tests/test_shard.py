@@ -24,7 +24,7 @@ from shardopt.core import (
     rprop,
     sgd,
 )
-from shardopt.functional import FieldKind, ShardedState, register_grad_hooks, shard
+from shardopt.functional import FieldGranularity, ShardedState, register_grad_hooks, shard
 from shardopt.testing import (
     World,
     assert_matches_torch,
@@ -44,7 +44,7 @@ STEPS = 20
 RTOL = {F32: 1e-6, F64: 1e-12}  # measured: at most 1e-7 and 1e-16
 
 # name: (our factory, torch class, torch kwargs). SGD is compared with torch's default CPU SGD
-# (the for-loop), whose ops core's flat rule applies in the same order on CPU, bitwise on any
+# (the for-loop), whose ops core's piece rule applies in the same order on CPU, bitwise on any
 # split of a tensor (see [Note: SGD on CPU is foreach] in shardopt.core._fused).
 OPTIMIZERS: dict[str, tuple[Callable[[], Any], type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd_momentum": (
@@ -215,7 +215,7 @@ def test_stage1_averages_local_gradients_and_takes_averaged_ones_when_told(run_w
 
 
 def bitwise_sgd_flat(rank: int, world: int) -> bool:
-    """SGD through the flat plan with the pure path (no flat rule): bitwise against the pure path
+    """SGD through the flat plan with the pure path (no piece rule): bitwise against the pure path
     on one process, as the split-invariant elementwise ops of the pure path promise."""
     from shardopt.core import Transformation, apply_updates
 
@@ -260,7 +260,7 @@ def master_weights(rank: int, world: int, stage: int) -> tuple[float, float, lis
         rel_error(
             m[p.offset : p.offset + p.numel], ref[p.tensor].detach().view(-1)[p.start : p.stop]
         )
-        for p in state.layout.pieces
+        for p in state.param_buffers.pieces
         if (m := state.master[p.group]) is not None
     )
     cast_err = max(rel_error(a, b.detach().to(a.dtype)) for a, b in zip(params, ref))
@@ -313,10 +313,10 @@ def reduce_in_float32(
                     m[p.offset : p.offset + p.numel],
                     ref[p.tensor].detach().view(-1)[p.start : p.stop],
                 )
-                for p in state.layout.pieces
+                for p in state.param_buffers.pieces
                 if (m := state.master[p.group]) is not None
             )
-            if state.layout.pieces
+            if state.param_buffers.pieces
             else 0.0
         )
         key = "float32" if reduce_dtype is not None else "none"
@@ -364,10 +364,15 @@ def owning_nothing(rank: int, world: int) -> tuple[int, list[int], bool, list[in
             p.grad = torch.stack([g[i] for g in per_rank]).sum(0) / world  # type: ignore[misc]
         opt.step()
         state = sharded.step(params, per_rank[rank], state)
-    sizes = [b.numel() for f in state.fields if f.kind is FieldKind.ELEMENTWISE for b in f.buffers]
+    sizes = [
+        b.numel()
+        for f in state.fields
+        if f.granularity is FieldGranularity.ELEMENTWISE
+        for b in f.buffers
+    ]
     close = all(rel_error(a, b.detach()) <= 1e-6 for a, b in zip(params, ref))
-    own = [g.shard_numels[rank] for g in state.layout.plan.groups]
-    return len(state.layout.pieces), sizes, close, own
+    own = [g.shard_numels[rank] for g in state.param_buffers.plan.groups]
+    return len(state.param_buffers.pieces), sizes, close, own
 
 
 def test_a_rank_that_owns_nothing_holds_empty_pieces_and_empty_buffers(run_world):
@@ -451,7 +456,11 @@ class ShardCandidate:
         self.params = list(model.parameters())
         plan = plan_partition(self.params, world.world_size, strategy=strategy)
         self.sharded = shard(
-            factory(), plan, group=world.group, stage=stage, grads_averaged=grads_averaged
+            factory(),
+            plan,
+            process_group=world.process_group,
+            stage=stage,
+            grads_averaged=grads_averaged,
         )
         self.state = self.sharded.init(self.params)
         if hooks:
@@ -506,7 +515,7 @@ def test_reference_models_train_like_torch_for_20_steps(
     _, torch_cls, kwargs = {**OPTIMIZERS, **OTHERS}[name]
     is_sgd = name.startswith("sgd")
     if problem == "mixed_dtypes" and not is_sgd:  # bfloat16: torch's fused kernel, as core's
-        kwargs = {**kwargs, "fused": True}  # flat rule calls; the for-loop rounds intermediates
+        kwargs = {**kwargs, "fused": True}  # piece rule calls; the for-loop rounds intermediates
     # SGD is bitwise wherever the averaged gradient is: at W <= 2 (a sum of two is exact in
     # either order). At W = 3 the all-reduce sums these real-valued gradients in another order
     # than the reference's rank-order sum, so only the tolerance is meaningful there (see

@@ -21,7 +21,7 @@ import torch.distributed as dist
 def test_every_rank_runs_the_body(world, tmp_path):
     (tmp_path / f"rank{world.rank}").write_text(str(world.world_size))
     total = torch.tensor([world.rank + 1.0], device=world.device)
-    dist.all_reduce(total, group=world.group)
+    dist.all_reduce(total, group=world.process_group)
     dist.barrier()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
     assert total.item() == 3.0

@@ -42,7 +42,7 @@ def _trained(world: World, group: Any = None, size: int | None = None, seed: flo
     params = [torch.full(s, seed, dtype=torch.bfloat16) for s in SHAPES]
     plan = plan_partition(params, size or world.world_size, align=1)
     tx = inject_hyperparams(adam, lr=0.125)
-    sharded = shard(tx, plan, master_dtype=torch.float32, group=group)
+    sharded = shard(tx, plan, master_dtype=torch.float32, process_group=group)
     grads = [torch.full(s, 0.5 * seed, dtype=torch.bfloat16) for s in SHAPES]
     return sharded, params, sharded.step(params, grads, sharded.init(params))
 

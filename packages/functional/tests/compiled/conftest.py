@@ -1,9 +1,9 @@
 """The tests that really compile (shard(..., compile=True)): slow on a small CPU.
 
 [Note: compiled tests]
-Compiling a flat update takes seconds to tens of seconds per layout on 2 cores, so this folder's
+Compiling an update takes seconds to tens of seconds per sharded state on 2 cores, so this folder's
 test files are collected only with SHARDOPT_COMPILED=1 (the ``compiled`` CI session); elsewhere
-they are not collected at all (no skips reported). Each test reuses one compiled layout across
+they are not collected at all (no skips reported). Each test reuses one compiled update across
 its cases. The fast tests of the option (validation, fallback, ``"auto"``) are in
 ../test_compiled.py.
 """

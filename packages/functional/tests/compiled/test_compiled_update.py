@@ -73,11 +73,11 @@ def held(state: Any) -> list[torch.Tensor]:
     """What a step changes: the parameter buffers, the stored masters, the state's tensors."""
     stored = [m for m in state.master if m is not None]
     inner = [x for x in tree_leaves(state.inner) if isinstance(x, torch.Tensor)]
-    return [*state.layout.buffers, *stored, *inner]
+    return [*state.param_buffers.buffers, *stored, *inner]
 
 
 def masters(state: Any) -> list[torch.Tensor]:
-    return [m for m in state.master.fulls() if m is not None] or list(state.layout.buffers)
+    return [m for m in state.master.fulls() if m is not None] or list(state.param_buffers.buffers)
 
 
 def compare(rank: int, world: int, name: str) -> dict[str, Any]:
@@ -102,13 +102,13 @@ def compare(rank: int, world: int, name: str) -> dict[str, Any]:
         eager, comp = runs[False][1], runs[True][1]
         for a, b, o in zip(masters(comp), masters(eager), old):
             worst["params"] = max(worst["params"], ulps(a, b, o))
-        n = len(eager.layout.buffers) + len([m for m in eager.master if m is not None])
+        n = len(eager.param_buffers.buffers) + len([m for m in eager.master if m is not None])
         for a, b, o in list(zip(held(comp), held(eager), old_state))[n:]:
             if a.is_floating_point():
                 worst["state"] = max(worst["state"], ulps(a, b, o))
         for a, b in zip(held(comp), held(eager)):  # the next step starts from the same state
             a.copy_(b)
-    update = compiled_update(runs[True][1].layout)
+    update = compiled_update(runs[True][1].param_buffers)
     gathered = [torch.cat([p.reshape(-1).float() for p in runs[True][2]])]
     everyone = [torch.empty_like(gathered[0]) for _ in range(world)]
     dist.all_gather(everyone, gathered[0])

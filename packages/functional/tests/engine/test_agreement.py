@@ -114,7 +114,7 @@ def sharded(odd: bool, kw: dict[str, Any], pg: Any, **changes: Any) -> Any:
         args.update(changes)
     ps = params(args["shapes"])
     plan = plan_partition(ps, dist.get_world_size(pg), strategy=args["strategy"])
-    fn = shard(args["tx"], plan, group=pg, stage=args.get("stage", 1))
+    fn = shard(args["tx"], plan, process_group=pg, stage=args.get("stage", 1))
     state = fn.init(args.get("init", ps))
     return fn, ps, state
 
@@ -127,7 +127,7 @@ def wrong_grads(kw: dict[str, Any], pg: Any, grad: Callable[[torch.Tensor], Any]
 def consolidate_to(odd: bool, kw: dict[str, Any], pg: Any, to: int) -> None:
     fn, ps, state = sharded(False, kw, pg)
     state = fn.step(ps, [torch.ones_like(p) for p in ps], state)
-    consolidate_state_dict(state, to=to if odd else 0, group=pg)
+    consolidate_state_dict(state, to=to if odd else 0, process_group=pg)
 
 
 SHARD_CASES: dict[str, Case] = {

@@ -42,7 +42,7 @@ def test_compile_other_than_true_false_or_auto_is_refused_naming_shard(value):
 def test_auto_stays_eager_below_the_threshold_and_true_compiles_any_size(mode, compiled):
     params = params_of()
     state = shard(adamw(1e-3), plan_partition(params, 1), compile=mode).init(params)
-    assert (compiled_update(state.layout) is not None) is compiled
+    assert (compiled_update(state.param_buffers) is not None) is compiled
 
 
 @pytest.mark.world(1)
@@ -52,11 +52,11 @@ def test_auto_compiles_a_composed_transformation_from_the_threshold_never_a_fuse
     for threshold, tx, compiled in [
         (numel, lion(1e-3), True),  # a chain of blocks: compiled from AUTO_NUMEL on
         (numel + 1, lion(1e-3), False),
-        (numel, adamw(1e-3), False),  # its flat rule runs torch's fused kernel already
+        (numel, adamw(1e-3), False),  # its piece rule runs torch's fused kernel already
     ]:
         _compiled.AUTO_NUMEL = threshold
         state = shard(tx, plan_partition(params, 1)).init(params)
-        assert (compiled_update(state.layout) is not None) is compiled, (threshold, tx)
+        assert (compiled_update(state.param_buffers) is not None) is compiled, (threshold, tx)
 
 
 @pytest.mark.world(1)
@@ -81,7 +81,7 @@ def test_true_with_a_transformation_that_needs_whole_tensors_warns_and_runs_eage
     plan = plan_partition(params, 1, strategy="greedy")
     with pytest.warns(UserWarning, match=EAGER + "the transformation needs whole tensors"):
         state = shard(muon(lr=0.1), plan, compile=True).init(params)
-    assert compiled_update(state.layout) is None
+    assert compiled_update(state.param_buffers) is None
 
 
 def failing_compile(rank_fails: Any) -> Any:
@@ -116,7 +116,7 @@ def fallback_after_failure(rank: int, world: int, fails_on: tuple[int, ...]) -> 
             eager_state = eager.step(eager_params, params_of(seed), eager_state)
     out["warnings"] = [str(w.message) for w in caught]
     out["equal"] = all(torch.equal(a, b) for a, b in zip(params, eager_params))
-    out["fallback"] = compiled_update(state.layout).fallback
+    out["fallback"] = compiled_update(state.param_buffers).fallback
     return out
 
 
@@ -147,7 +147,7 @@ def decided_with_a_compiler_on_rank_0_only(rank: int, world: int) -> dict[str, A
     return {
         "owned": plan.numel_per_rank()[rank],
         "warnings": [str(w.message) for w in caught],
-        "compiled": compiled_update(state.layout) is not None,
+        "compiled": compiled_update(state.param_buffers) is not None,
     }
 
 

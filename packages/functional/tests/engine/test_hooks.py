@@ -87,7 +87,7 @@ def train_with_hooks(
         for a, b in zip(params, ref.parameters())
     )
     sizes = [s.numel() for s in state.reducer.shards]
-    return err, as_promised, sizes, [g.shard_numels[rank] for g in state.layout.plan.groups]
+    return err, as_promised, sizes, [g.shard_numels[rank] for g in state.param_buffers.plan.groups]
 
 
 @pytest.mark.parametrize(
@@ -188,8 +188,8 @@ def reduced_when_backward_returns(rank: int, world: int, stage: int) -> tuple[bo
     for r in range(world):
         gen = torch.Generator().manual_seed(r)
         (ref(torch.randn(8, 16, generator=gen)).pow(2).mean() / world).backward()
-    expected = state.layout.grad_views([p.grad for p in ref.parameters()])
-    got = state.layout.piece_views(shards)
+    expected = state.param_buffers.grad_views([p.grad for p in ref.parameters()])
+    got = state.param_buffers.piece_views(shards)
     return pending, max((a - b).abs().max().item() for a, b in zip(got, expected))
 
 

@@ -178,17 +178,17 @@ def compare_training(
     """Both runs on the same gradients; what the test asserts, per rank."""
     params_r, state_r = trained(name, stage, bucket, world, rank, True, 5)
     _params_f, state_f = trained(name, stage, bucket, world, rank, False, 5)
-    layout = state_r.layout
-    groups = range(len(layout.buffers))
+    param_buffers = state_r.param_buffers
+    groups = range(len(param_buffers.buffers))
     masters = [state_r.master.full(g) for g in groups]
     floats = [state_f.master.full(g) for g in groups]
-    owned = [layout.copy_shard_out(g) for g in groups]
-    owned_f = [state_f.layout.copy_shard_out(g) for g in groups]
-    bf16 = [g for g in groups if layout.buffers[g].dtype == BF16]
-    f16 = [g for g in groups if layout.buffers[g].dtype == F16]
+    owned = [param_buffers.copy_shard_out(g) for g in groups]
+    owned_f = [state_f.param_buffers.copy_shard_out(g) for g in groups]
+    bf16 = [g for g in groups if param_buffers.buffers[g].dtype == BF16]
+    f16 = [g for g in groups if param_buffers.buffers[g].dtype == F16]
     return {
         "stored": [None if m is None else m.dtype for m in state_r.master],
-        "dtypes": [b.dtype for b in layout.buffers],
+        "dtypes": [b.dtype for b in param_buffers.buffers],
         "masters equal": all(
             (a is None and b is None) or torch.equal(bits(a), bits(b))
             for a, b in zip(masters, floats)
@@ -202,7 +202,7 @@ def compare_training(
         "other groups equal": all(
             torch.equal(owned[g], owned_f[g]) for g in groups if g not in bf16
         ),
-        "buffers": [b.clone() for b in layout.buffers],
+        "buffers": [b.clone() for b in param_buffers.buffers],
         "moved": any(not torch.equal(p, q) for p, q in zip(params_r, model_params())),
         "bytes": (storage_bytes(state_r.master.stored), storage_bytes(state_f.master.stored)),
         "owned": (sum(owned[g].numel() for g in bf16), sum(owned[g].numel() for g in f16)),
@@ -258,7 +258,7 @@ NAMES = [f"p{i}" for i in range(8)]
 def owned_masters(state: Any) -> list[tuple[int, int, torch.Tensor]]:
     """(plan tensor, first element, float32 masters) of each of this rank's pieces."""
     out = []
-    for p in state.layout.pieces:
+    for p in state.param_buffers.pieces:
         full = state.master.full(p.group)
         if full is not None:
             out.append((p.tensor, p.start, full[p.offset : p.offset + p.numel].clone()))
@@ -292,11 +292,12 @@ def load_each(rank: int, world: int, root: str) -> dict[tuple[bool, bool], Any]:
             _, params, state = fresh(world, remainders, None)
             path = os.path.join(root, f"remainders={saved}")
             load_checkpoint(state, path, names=NAMES, extra={"model": dict(zip(NAMES, params))})
-            layout = state.layout
+            param_buffers = state.param_buffers
             halves = all(
-                torch.equal(bits(layout.copy_shard_out(g)), bits(split_remainder(full)[0]))
-                for g in range(len(layout.buffers))
-                if (full := state.master.full(g)) is not None and layout.buffers[g].dtype == BF16
+                torch.equal(bits(param_buffers.copy_shard_out(g)), bits(split_remainder(full)[0]))
+                for g in range(len(param_buffers.buffers))
+                if (full := state.master.full(g)) is not None
+                and param_buffers.buffers[g].dtype == BF16
             )
             out[(saved, remainders)] = (owned_masters(state), halves or not remainders)
     return out
@@ -346,10 +347,10 @@ def state_dicts(rank: int, world: int) -> dict[str, Any]:
     torch_sd = consolidate_state_dict(state)
     dist.broadcast_object_list(box := [torch_sd], src=0)
     load_torch_state_dict(state, box[0])
-    layout = state.layout
+    param_buffers = state.param_buffers
     out["remainders after"] = any(bool((m != 0).any()) for m in state.master.stored[:1])
     out["masters are params"] = all(
-        torch.equal(state.master.full(g), layout.copy_shard_out(g).float())
+        torch.equal(state.master.full(g), param_buffers.copy_shard_out(g).float())
         for g in range(2)  # the bfloat16 and float16 groups
     )
     return out

@@ -16,13 +16,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardopt.core import adamw, plan_partition
 from shardopt.functional import (
-    layout_cost,
     load_checkpoint,
     register_grad_hooks,
     register_param_hooks,
     replica_traffic,
     save_checkpoint,
     shard,
+    shard_cost,
     wait_params,
 )
 from shardopt.testing import count_collectives
@@ -55,7 +55,7 @@ def train_on_mesh(
     model = small_mlp()
     params = list(model.parameters())
     plan = plan_partition(params, shards, strategy=strategy, bucket_numel=100)
-    sharded = shard(adamw(1e-2), plan, group=mesh, stage=stage)
+    sharded = shard(adamw(1e-2), plan, process_group=mesh, stage=stage)
     state = sharded.init(params)
     if hooks:
         register_grad_hooks(params, state)
@@ -103,7 +103,7 @@ def bytes_per_dim(
     params = list(model.parameters())
     plan = plan_partition(params, 2, bucket_numel=100)
     sharded = shard(
-        adamw(1e-2), plan, group=mesh, stage=stage, algorithm="collective", comm_dtype=comm
+        adamw(1e-2), plan, process_group=mesh, stage=stage, algorithm="collective", comm_dtype=comm
     )
     state = sharded.init(params)
     x, y = mlp_batch(0, rank)
@@ -112,7 +112,7 @@ def bytes_per_dim(
         sharded.step(params, None, state)
     inner = log.in_group(mesh.get_group("shard")).totals()
     across = log.in_group(mesh.get_group("replicate")).totals()
-    _, traffic = layout_cost(plan, stage=stage, algorithm="collective", comm_dtype=comm)
+    _, traffic = shard_cost(plan, stage=stage, algorithm="collective", comm_dtype=comm)
     rank_in_shard, replicas = mesh.get_local_rank("shard"), mesh.size(0)
     predicted = replica_traffic(plan, rank_in_shard, replicas, comm_dtype=comm)
     predicted_across = dataclasses.astuple(predicted)
@@ -136,7 +136,7 @@ def mismatched_meshes(rank: int, world: int) -> str:
     params = list(small_mlp().parameters())
     mesh, shards = (flat, 4) if rank == 0 else (hybrid, 2)
     try:
-        shard(adamw(), plan_partition(params, shards), group=mesh).init(params)
+        shard(adamw(), plan_partition(params, shards), process_group=mesh).init(params)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -150,7 +150,7 @@ def test_mismatched_meshes_fail_on_every_rank_with_a_clear_error(run_world):
 def three_dims(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "replicate", "shard"))
     try:
-        shard(adamw(), plan_partition([torch.zeros(2)], 2), group=mesh)
+        shard(adamw(), plan_partition([torch.zeros(2)], 2), process_group=mesh)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -173,7 +173,7 @@ def train_tensor_parallel(
     params = list(model.parameters())
     assert sum(isinstance(p, DTensor) for p in params) == 4
     plan = plan_partition(params, 2, strategy=strategy, bucket_numel=100)
-    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=stage, max_norm=max_norm)
+    sharded = shard(adamw(1e-2), plan, process_group=mesh["dp"], stage=stage, max_norm=max_norm)
     state = sharded.init(params)
     if hooks in ("grad", "both"):
         register_grad_hooks(params, state)
@@ -263,7 +263,9 @@ def tensor_parallel_state(dp: int, steps: int, strategy: str) -> tuple[Any, list
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     plan = plan_partition(params, dp, strategy=strategy, bucket_numel=100)
-    sharded = shard(adamw(1e-2), plan, group=mesh["dp"], stage=2 if strategy == "flat" else 1)
+    sharded = shard(
+        adamw(1e-2), plan, process_group=mesh["dp"], stage=2 if strategy == "flat" else 1
+    )
     state = sharded.init(params)
     register_grad_hooks(params, state)
     for step in range(steps):
@@ -276,15 +278,15 @@ def tensor_parallel_state(dp: int, steps: int, strategy: str) -> tuple[Any, list
 
 def save_tensor_parallel(rank: int, world: int, path: str, strategy: str) -> None:
     state, names, group = tensor_parallel_state(world // 2, 3, strategy)
-    save_checkpoint(state, path, names=names, group=group)
+    save_checkpoint(state, path, names=names, process_group=group)
 
 
 def load_and_save_tensor_parallel(
     rank: int, world: int, source: str, path: str, strategy: str
 ) -> None:
     state, names, group = tensor_parallel_state(world // 2, 0, strategy)
-    load_checkpoint(state, source, names=names, group=group)
-    save_checkpoint(state, path, names=names, group=group)
+    load_checkpoint(state, source, names=names, process_group=group)
+    save_checkpoint(state, path, names=names, process_group=group)
 
 
 @pytest.mark.parametrize("strategy", ["flat", "greedy"])  # stage 2 flat, stage 1 greedy
@@ -308,7 +310,9 @@ def hybrid_round_trip(rank: int, world: int, base: str) -> None:
 
     def fresh(kind: str) -> Any:
         mesh, shards = layouts[kind]
-        return shard(adamw(1e-2), plan_partition(params, shards, bucket_numel=100), group=mesh)
+        return shard(
+            adamw(1e-2), plan_partition(params, shards, bucket_numel=100), process_group=mesh
+        )
 
     sharded = fresh("hybrid")
     state = sharded.init(params)
@@ -317,11 +321,11 @@ def hybrid_round_trip(rank: int, world: int, base: str) -> None:
         nn.functional.mse_loss(model(x), y).backward()
         state = sharded.step(params, None, state)
         model.zero_grad()
-    save_checkpoint(state, f"{base}/a", group=layouts["hybrid"][0])
+    save_checkpoint(state, f"{base}/a", process_group=layouts["hybrid"][0])
     for kind, source, target in (("1d", "a", "b"), ("hybrid", "b", "c")):
         state = fresh(kind).init(params)
-        load_checkpoint(state, f"{base}/{source}", group=layouts[kind][0])
-        save_checkpoint(state, f"{base}/{target}", group=layouts[kind][0])
+        load_checkpoint(state, f"{base}/{source}", process_group=layouts[kind][0])
+        save_checkpoint(state, f"{base}/{target}", process_group=layouts[kind][0])
 
 
 def test_a_hybrid_checkpoint_loads_bitwise_as_1d_and_back(run_world, tmp_path):
@@ -342,9 +346,9 @@ def partial_mesh(rank: int, world: int, path: str) -> str:
     model = small_mlp()
     parallelize_module(model, tp, {"0": ColwiseParallel()})
     params = list(model.parameters())
-    state = shard(adamw(), plan_partition(params, 1), group=alone).init(params)
+    state = shard(adamw(), plan_partition(params, 1), process_group=alone).init(params)
     try:
-        save_checkpoint(state, path, group=alone)
+        save_checkpoint(state, path, process_group=alone)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -373,7 +377,7 @@ def muon_on_tensor_parallel(rank: int, world: int) -> str:
     cost = lambda t: newton_schulz_flops(t.shape)  # noqa: E731
     plan = plan_partition(params, 2, strategy="greedy", cost=cost)
     try:
-        shard(tx, plan, group=mesh["dp"]).init(params)
+        shard(tx, plan, process_group=mesh["dp"]).init(params)
     except ValueError as exc:
         return str(exc)
     return "no error"

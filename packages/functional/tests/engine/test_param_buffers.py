@@ -31,21 +31,21 @@ def test_params_become_views_of_one_buffer_per_group_with_their_values(
     params = mixed()
     values = [p.clone() for p in params]
     plan = plan_partition(params, world, strategy=strategy, bucket_numel=bucket_numel)
-    layout = build_param_buffers(plan, params, rank)
-    assert [b.dtype for b in layout.buffers] == [torch.float32, torch.float64]
+    param_buffers = build_param_buffers(plan, params, rank)
+    assert [b.dtype for b in param_buffers.buffers] == [torch.float32, torch.float64]
     for g, group in enumerate(plan.groups):
         for t, offset in zip(group.tensors, group.offsets):
-            view = layout.buffers[g][offset : offset + params[t].numel()]
+            view = param_buffers.buffers[g][offset : offset + params[t].numel()]
             assert params[t].data_ptr() == view.data_ptr()
             assert torch.equal(params[t], values[t])
-    assert layout.check_views(params) is None
+    assert param_buffers.check_views(params) is None
 
 
 def test_a_param_moved_out_of_its_buffer_is_reported():
     params = mixed()
-    layout = build_param_buffers(plan_partition(params, 2), params, 0)
+    param_buffers = build_param_buffers(plan_partition(params, 2), params, 0)
     params[2].data = params[2].data.clone()
-    assert layout.check_views(params) == (
+    assert param_buffers.check_views(params) == (
         "the parameters given to init (views of the flat buffers), got params[2] elsewhere"
     )
 
@@ -55,10 +55,12 @@ def test_a_param_moved_out_of_its_buffer_is_reported():
 def test_gradient_and_piece_views_alias_the_right_elements(strategy, bucket_numel):
     params = mixed()
     plan = plan_partition(params, 2, strategy=strategy, align=1, bucket_numel=bucket_numel)
-    layout = build_param_buffers(plan, params, 1)
+    param_buffers = build_param_buffers(plan, params, 1)
     grads = [torch.arange(p.numel(), dtype=p.dtype).view(p.shape) for p in params]
-    shards = [layout.copy_shard_out(g) for g in range(len(plan.groups))]
-    for piece, gv, pv in zip(layout.pieces, layout.grad_views(grads), layout.piece_views(shards)):
+    shards = [param_buffers.copy_shard_out(g) for g in range(len(plan.groups))]
+    for piece, gv, pv in zip(
+        param_buffers.pieces, param_buffers.grad_views(grads), param_buffers.piece_views(shards)
+    ):
         expected = torch.arange(piece.start, piece.stop, dtype=gv.dtype)  # type: ignore[union-attr]
         assert torch.equal(gv, expected)  # type: ignore[arg-type]
         assert torch.equal(pv, params[piece.tensor].view(-1)[piece.start : piece.stop])
@@ -80,32 +82,32 @@ def test_every_tensor_is_in_one_bucket_and_each_rank_owns_one_shard_of_each(
     plan = plan_partition(many(), world, strategy=strategy, bucket_numel=bucket_numel)
     for rank in range(world):
         params = many()
-        layout = build_param_buffers(plan, params, rank)
-        assert sorted(t for k in layout.keys for t in layout.bucket_tensors[k]) == list(
-            range(len(params))
-        )
-        for key in layout.keys:
-            bucket = layout.bucket(key)
-            for t in layout.bucket_tensors[key]:
+        param_buffers = build_param_buffers(plan, params, rank)
+        assert sorted(
+            t for k in param_buffers.keys for t in param_buffers.bucket_tensors[k]
+        ) == list(range(len(params)))
+        for key in param_buffers.keys:
+            bucket = param_buffers.bucket(key)
+            for t in param_buffers.bucket_tensors[key]:
                 g, _, offset = plan.locate(t)
                 assert g == key[0]
                 assert bucket.start <= offset
                 assert offset + params[t].numel() <= bucket.stop
-            shard = layout.bucket_shard(key)
+            shard = param_buffers.bucket_shard(key)
             assert shard.numel() == bucket.shards[rank]
-            base = layout.buffers[key[0]].data_ptr()
-            size = layout.buffers[key[0]].element_size()
+            base = param_buffers.buffers[key[0]].data_ptr()
+            size = param_buffers.buffers[key[0]].element_size()
             assert shard.numel() == 0 or shard.data_ptr() == base + bucket.shard_start(rank) * size
-        shards = [layout.copy_shard_out(g) for g in range(len(plan.groups))]
+        shards = [param_buffers.copy_shard_out(g) for g in range(len(plan.groups))]
         assert [s.numel() for s in shards] == [g.shard_numels[rank] for g in plan.groups]
-        for key in layout.keys:
-            assert torch.equal(layout.compact(shards, key), layout.bucket_shard(key))
+        for key in param_buffers.keys:
+            assert torch.equal(param_buffers.compact(shards, key), param_buffers.bucket_shard(key))
         # every piece sits at its offset of the compact shard, and writes back in place
-        for piece, view in zip(layout.pieces, layout.piece_views(shards)):
+        for piece, view in zip(param_buffers.pieces, param_buffers.piece_views(shards)):
             assert torch.equal(view, params[piece.tensor].view(-1)[piece.start : piece.stop])
         for g, shard in enumerate(shards):
-            layout.copy_shard_in(g, shard + 1)
-        for piece in layout.pieces:
+            param_buffers.copy_shard_in(g, shard + 1)
+        for piece in param_buffers.pieces:
             want = many()[piece.tensor].view(-1)[piece.start : piece.stop] + 1
             assert torch.equal(params[piece.tensor].view(-1)[piece.start : piece.stop], want)
 

@@ -92,15 +92,15 @@ def delay_gathers() -> list[int]:
 def owned_mask(state: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per plan group, which elements of the parameter buffer are this rank's shards, and which
     of those hold parameter elements (not padding)."""
-    layout = state.layout
-    masks = [torch.zeros(b.numel(), dtype=torch.bool) for b in layout.buffers]
-    real = [torch.zeros(b.numel(), dtype=torch.bool) for b in layout.buffers]
-    for g, b in layout.keys:
-        bucket = layout.bucket((g, b))
-        lo = bucket.shard_start(layout.rank)
-        masks[g][lo : lo + bucket.shards[layout.rank]] = True
-    for t, spec in enumerate(layout.plan.tensors):
-        g, _, offset = layout.plan.locate(t)
+    param_buffers = state.param_buffers
+    masks = [torch.zeros(b.numel(), dtype=torch.bool) for b in param_buffers.buffers]
+    real = [torch.zeros(b.numel(), dtype=torch.bool) for b in param_buffers.buffers]
+    for g, b in param_buffers.keys:
+        bucket = param_buffers.bucket((g, b))
+        lo = bucket.shard_start(param_buffers.rank)
+        masks[g][lo : lo + bucket.shards[param_buffers.rank]] = True
+    for t, spec in enumerate(param_buffers.plan.tensors):
+        g, _, offset = param_buffers.plan.locate(t)
         real[g][offset : offset + spec.numel] = True
     return masks, [m & r for m, r in zip(masks, real)]
 
@@ -129,17 +129,18 @@ def read_after_step(
             for i, p in enumerate(ref_params):
                 p.grad = torch.stack([g[i] for g in per_rank]).sum(0) / world
             opt.step()
-        before = [b.clone() for b in state.layout.buffers]
+        before = [b.clone() for b in state.param_buffers.buffers]
         state = sharded.step(params, local_grads(params, 0, rank), state)
         masks, mine = owned_mask(state)
         row: dict[str, Any] = {
             "delayed": in_flight[0] > 0 or world == 1,
             "others_old": all(
-                torch.equal(a[~m], b[~m]) for a, b, m in zip(before, state.layout.buffers, masks)
+                torch.equal(a[~m], b[~m])
+                for a, b, m in zip(before, state.param_buffers.buffers, masks)
             ),
             "mine_new": all(
                 not torch.equal(a[m], b[m])
-                for a, b, m in zip(before, state.layout.buffers, mine)
+                for a, b, m in zip(before, state.param_buffers.buffers, mine)
                 if m.any()
             ),
         }
@@ -291,24 +292,24 @@ def train_with_hooks(
     state = sharded.init(params)
     hooks = [register_grad_hooks(params, state), register_param_hooks(model, state)]
     waits: list[int] = []
-    layout, real = state.layout, state.layout.wait_params_through
+    param_buffers, real = state.param_buffers, state.param_buffers.wait_params_through
 
     def recorded(end: int) -> None:
         waits.append(end)
         real(end)
 
-    layout.wait_params_through = recorded
+    param_buffers.wait_params_through = recorded
     torch._dynamo.reset()
     net = model if backend is None else torch.compile(model, backend=backend)
     for step in range(steps):
         waits.clear()
         net(batch(step, world.rank)).float().square().mean().backward()
         state = sharded.step(params, None, state)
-        assert layout.params_pending  # the next forward waits
+        assert param_buffers.params_pending  # the next forward waits
     wait_params(state)
     for h in hooks:
         h.remove()
-    return [p.detach().clone() for p in params], len(layout.keys), waits
+    return [p.detach().clone() for p in params], len(param_buffers.keys), waits
 
 
 @pytest.mark.world(2, backend="gloo", timeout=120)

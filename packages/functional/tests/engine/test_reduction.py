@@ -25,7 +25,7 @@ def six_buckets_of_two(rank: int) -> tuple[GradShards, list[torch.Tensor]]:
     params = [torch.zeros(4) for _ in range(6)]
     plan = plan_partition(params, 2, strategy="flat", bucket_numel=8)
     grads = GradShards(build_param_buffers(plan, params, rank))
-    assert len(grads.layout.keys) == 3
+    assert len(grads.param_buffers.keys) == 3
     return grads, [torch.full((4,), float(t + rank)) for t in range(6)]
 
 
@@ -36,7 +36,7 @@ def test_a_bucket_is_ready_once_its_gradients_and_every_later_bucket_are_and_sha
     """Buckets become ready in reverse order, each once all its trainable tensors reported and
     every later bucket is ready; launched, the shards get the average."""
     grads, local = six_buckets_of_two(world.rank)
-    layout, keys = grads.layout, grads.layout.keys
+    param_buffers, keys = grads.param_buffers, grads.param_buffers.keys
     launched: list = []
 
     def ready(t):
@@ -44,7 +44,7 @@ def test_a_bucket_is_ready_once_its_gradients_and_every_later_bucket_are_and_sha
             grads.start_reduce(key, local, accumulate=False)
             launched.append(key)
 
-    first, middle, last = (layout.bucket_tensors[k] for k in keys)
+    first, middle, last = (param_buffers.bucket_tensors[k] for k in keys)
     grads.expect([True] * 6)
     for t in first:
         ready(t)
@@ -60,7 +60,7 @@ def test_a_bucket_is_ready_once_its_gradients_and_every_later_bucket_are_and_sha
     grads.finish_reduce()
     assert not grads.pending
     expected = torch.cat([torch.full((4,), t + 0.5) for t in range(6)])
-    for p, shard in zip(layout.pieces, layout.piece_views(grads.shards)):
+    for p, shard in zip(param_buffers.pieces, param_buffers.piece_views(grads.shards)):
         start = p.tensor * 4 + p.start
         assert torch.equal(shard, expected[start : start + p.numel])
 
@@ -68,10 +68,10 @@ def test_a_bucket_is_ready_once_its_gradients_and_every_later_bucket_are_and_sha
 @pytest.mark.world(2, backend="gloo", timeout=120)
 def test_a_bucket_does_not_wait_for_a_frozen_tensor_and_the_rest_are_unstarted_at_the_end(world):
     grads, local = six_buckets_of_two(world.rank)
-    keys = grads.layout.keys
-    frozen = grads.layout.bucket_tensors[keys[2]][0]
+    keys = grads.param_buffers.keys
+    frozen = grads.param_buffers.bucket_tensors[keys[2]][0]
     grads.expect([t != frozen for t in range(6)])
-    ready = grads.mark_ready(grads.layout.bucket_tensors[keys[2]][1])
+    ready = grads.mark_ready(grads.param_buffers.bucket_tensors[keys[2]][1])
     assert ready == [keys[2]]  # its frozen tensor is not waited for
     assert grads.unstarted() == [keys[1], keys[0]]
     assert grads.unstarted() == []  # counted as launched

@@ -10,24 +10,31 @@ import torch
 
 from shardopt.core import Transformation, adagrad, adam, chain, plan_partition, sgd
 from shardopt.functional.engine._param_buffers import build_param_buffers
-from shardopt.functional.engine._state import FieldKind, flatten_state, probe_fields, slice_state
+from shardopt.functional.engine._state import (
+    FieldGranularity,
+    flatten_state,
+    probe_fields,
+    slice_state,
+)
 
 from _functional_helpers import mlp_batch, small_mlp
 
 
-def layout_for(world: int, rank: int, strategy: str = "flat", bucket_numel: int | None = None):
+def param_buffers_for(
+    world: int, rank: int, strategy: str = "flat", bucket_numel: int | None = None
+):
     params = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(9)]
     plan = plan_partition(params, world, strategy=strategy, align=1, bucket_numel=bucket_numel)
     return build_param_buffers(plan, params, rank)
 
 
-def probes(layout) -> list[torch.Tensor]:
-    return [torch.zeros(2, dtype=b.dtype) for b in layout.buffers]
+def probes(param_buffers) -> list[torch.Tensor]:
+    return [torch.zeros(2, dtype=b.dtype) for b in param_buffers.buffers]
 
 
 def test_adam_fields_are_two_elementwise_moments_and_a_per_piece_count():
-    layout = layout_for(2, 0)
-    fields = probe_fields(adam(), probes(layout))
+    param_buffers = param_buffers_for(2, 0)
+    fields = probe_fields(adam(), probes(param_buffers))
     kinds = sorted((kind.value, dtypes) for kind, dtypes in fields.values())
     f32, f64 = torch.float32, torch.float64
     assert kinds == [
@@ -42,22 +49,26 @@ def test_adam_fields_are_two_elementwise_moments_and_a_per_piece_count():
 @pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 1)])
 def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank, bucket_numel):
     """Compact shards: ``shard_numels[rank]`` elements per group, piece k at its offset."""
-    layout = layout_for(world, rank, strategy, bucket_numel)
+    param_buffers = param_buffers_for(world, rank, strategy, bucket_numel)
     tx = adagrad(initial_accumulator_value=0.5)
-    shards = [layout.copy_shard_out(g) for g in range(len(layout.buffers))]
-    pieces = layout.piece_views(shards)
+    shards = [param_buffers.copy_shard_out(g) for g in range(len(param_buffers.buffers))]
+    pieces = param_buffers.piece_views(shards)
     inner, fields, sliceable = flatten_state(
-        tx.init(pieces), layout, probe_fields(tx, probes(layout))
+        tx.init(pieces), param_buffers, probe_fields(tx, probes(param_buffers))
     )
     assert sliceable
-    elementwise = [f for f in fields if f.kind is FieldKind.ELEMENTWISE]
+    elementwise = [f for f in fields if f.granularity is FieldGranularity.ELEMENTWISE]
     assert elementwise, "adagrad's sum of squares should be elementwise"
     for f in elementwise:
-        assert [b.numel() for b in f.buffers] == [g.shard_numels[rank] for g in layout.plan.groups]
-        for p in layout.pieces:
+        assert [b.numel() for b in f.buffers] == [
+            g.shard_numels[rank] for g in param_buffers.plan.groups
+        ]
+        for p in param_buffers.pieces:
             assert torch.all(f.buffers[p.group][p.offset : p.offset + p.numel] == 0.5)
-    count = next(f for f in fields if f.kind is FieldKind.PER_PIECE)
-    n_per_group = [sum(p.group == g for p in layout.pieces) for g in range(len(layout.buffers))]
+    count = next(f for f in fields if f.granularity is FieldGranularity.PER_PIECE)
+    n_per_group = [
+        sum(p.group == g for p in param_buffers.pieces) for g in range(len(param_buffers.buffers))
+    ]
     assert [b.numel() for b in count.buffers] == n_per_group
     # the leaves are the views: writing a leaf writes the buffer
     leaves = [x for x in torch.utils._pytree.tree_leaves(inner) if x.dim() == 1]
@@ -66,19 +77,21 @@ def test_every_field_leaf_is_a_view_at_its_piece_offset(strategy, world, rank, b
     assert all(
         torch.all(f.buffers[p.group][p.offset : p.offset + p.numel] == 3.0)
         for f in elementwise
-        for p in layout.pieces
+        for p in param_buffers.pieces
     )
 
 
 def test_slices_share_the_tensors_of_the_whole_state():
-    layout = layout_for(1, 0)
+    param_buffers = param_buffers_for(1, 0)
     tx = sgd(0.1, momentum=0.9)
-    shards = [layout.copy_shard_out(g) for g in range(len(layout.buffers))]
+    shards = [param_buffers.copy_shard_out(g) for g in range(len(param_buffers.buffers))]
     inner, _, _ = flatten_state(
-        tx.init(layout.piece_views(shards)), layout, probe_fields(tx, probes(layout))
+        tx.init(param_buffers.piece_views(shards)),
+        param_buffers,
+        probe_fields(tx, probes(param_buffers)),
     )
     whole = torch.utils._pytree.tree_leaves(inner)
-    part = torch.utils._pytree.tree_leaves(slice_state(inner, len(layout.pieces), 1, 2))
+    part = torch.utils._pytree.tree_leaves(slice_state(inner, len(param_buffers.pieces), 1, 2))
     assert part
     assert all(any(x is y for y in whole) for x in part)
 
@@ -88,18 +101,20 @@ def test_a_global_state_tensor_makes_the_state_unsliceable():
         return (adam().init(params), torch.zeros(()))
 
     tx = Transformation(init, adam().update)
-    layout = layout_for(1, 0)
-    shards = [layout.copy_shard_out(g) for g in range(len(layout.buffers))]
+    param_buffers = param_buffers_for(1, 0)
+    shards = [param_buffers.copy_shard_out(g) for g in range(len(param_buffers.buffers))]
     _, _, sliceable = flatten_state(
-        tx.init(layout.piece_views(shards)), layout, probe_fields(tx, probes(layout))
+        tx.init(param_buffers.piece_views(shards)),
+        param_buffers,
+        probe_fields(tx, probes(param_buffers)),
     )
     assert not sliceable
 
 
 def test_chained_states_have_paths_that_name_their_place():
-    layout = layout_for(2, 0)
+    param_buffers = param_buffers_for(2, 0)
     tx = chain(sgd(0.1, momentum=0.9), adam())
-    paths = sorted(probe_fields(tx, probes(layout)))
+    paths = sorted(probe_fields(tx, probes(param_buffers)))
     assert all(p.startswith(("[0]", "[1]")) for p in paths)
 
 
@@ -134,7 +149,7 @@ def bf16_state_run(rank: int, world: int, stage: int, state_dtype: torch.dtype |
         held[0] = sharded.step(params, None, held[0])
 
     train_steps(model, step)
-    moments = [f for f in held[0].fields if f.kind is FieldKind.ELEMENTWISE]
+    moments = [f for f in held[0].fields if f.granularity is FieldGranularity.ELEMENTWISE]
     dtypes = {b.dtype for f in moments for b in f.buffers}
     nbytes = sum(b.nbytes for f in moments for b in f.buffers)
     return [p.detach().clone() for p in params], nbytes, dtypes

@@ -100,7 +100,9 @@ def test_gradients_on_the_wire_take_half_the_bytes_of_float32_in_one_all_to_all(
 def hybrid(rank: int, world: int) -> list[torch.Tensor]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     params = [torch.zeros(s) for s in SHAPES]
-    sharded = shard(sgd(1.0), plan_partition(params, 2), group=mesh, stage=2, comm_dtype=BF16)
+    sharded = shard(
+        sgd(1.0), plan_partition(params, 2), process_group=mesh, stage=2, comm_dtype=BF16
+    )
     sharded.step(params, local_grads(rank), sharded.init(params))
     return [-p for p in params]
 

@@ -61,7 +61,7 @@ def train_shardopt(world: World, backend: Any) -> tuple[list[torch.Tensor], list
     wait_params(state)
     for h in hooks:
         h.remove()
-    return [p.detach().clone() for p in params], losses, len(state.layout.keys)
+    return [p.detach().clone() for p in params], losses, len(state.param_buffers.keys)
 
 
 def train_ddp(world: World, backend: Any) -> list[float]:

@@ -1,7 +1,7 @@
 """shardopt.core: pure, JAX-style optimizers that match torch.optim, and partition planners.
 
 What a training loop calls is here; the building blocks for writing new transformations (tree
-helpers, ``leafwise``, flat rules, the validated hyperparameters of the optimizers) are in
+helpers, ``leafwise``, piece rules, the validated hyperparameters of the optimizers) are in
 :mod:`shardopt.core.blocks`.
 """
 
@@ -27,7 +27,6 @@ from shardopt.core._base import (
 )
 from shardopt.core._clipping import clip, clip_by_global_norm, global_norm
 from shardopt.core._combinators import MaskedState, PartitionState, masked, partition
-from shardopt.core._flat import update_flat_
 from shardopt.core._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from shardopt.core._muon import ScaleByMuonState, muon, newton_schulz_flops
 from shardopt.core._nadam import ScaleByNadamState, nadam
@@ -68,10 +67,11 @@ from shardopt.core._optax_wrappers import (
     schedule_free_adamw,
     schedule_free_eval_params,
 )
+from shardopt.core._pieces import update_pieces_
 from shardopt.core._plan import (
     DEFAULT_BUCKET_NUMEL,
     Bucket,
-    FlatGroup,
+    BufferGroup,
     Piece,
     Plan,
     Strategy,
@@ -80,6 +80,7 @@ from shardopt.core._plan import (
 )
 from shardopt.core._precision import with_state_dtype
 from shardopt.core._radam import ScaleByRadamState, radam
+from shardopt.core._renamed import renamed_getattr
 from shardopt.core._rmsprop import ScaleByRmsState, rmsprop
 from shardopt.core._rprop import ScaleByRpropState, rprop, scale_by_rprop
 from shardopt.core._schedules import (
@@ -137,7 +138,7 @@ __all__ = [
     "Bucket",
     "DEFAULT_BUCKET_NUMEL",
     "EmptyState",
-    "FlatGroup",
+    "BufferGroup",
     "InjectHyperparamsState",
     "MaskedState",
     "MultiStepsState",
@@ -201,7 +202,12 @@ __all__ = [
     "sgd",
     "step_by_learning_rate",
     "trace",
-    "update_flat_",
+    "update_pieces_",
     "warmup_cosine_decay",
     "with_state_dtype",
 ]
+
+# Old names (see [Note: renamed names] in _renamed.py):
+__getattr__ = renamed_getattr(
+    __name__, {"FlatGroup": "BufferGroup", "update_flat_": "update_pieces_"}, globals()
+)

@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay, expect
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import adadelta_, add_like_torch, prologue
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -29,7 +29,7 @@ class ScaleByAdadeltaState(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class AdadeltaHyperparams:
-    """The validated hyperparameters of :func:`adadelta` (read by its flat rule)."""
+    """The validated hyperparameters of :func:`adadelta` (read by its piece rule)."""
 
     lr: ScalarOrSchedule
     rho: float
@@ -94,7 +94,7 @@ def adadelta(
     A chain: [negate if ``maximize``] -> [add ``weight_decay * param``] -> one transformation for
     the averages and the step, which reproduces torch's rounding of the parameters (see [Note:
     torch's parameter rounding]). ``lr`` may be a float, a 0-d tensor or a schedule of the
-    per-parameter count. It has a flat fast path (``update_flat_``) on foreach kernels.
+    per-parameter count. It has a piece fast path (``update_pieces_``) on foreach kernels.
 
     Example:
         >>> import torch
@@ -110,5 +110,5 @@ def adadelta(
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _adadelta_step(hp))
     return with_kind(
-        with_flat_rule(tx, partial(adadelta_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "adadelta"
+        with_piece_rule(tx, partial(adadelta_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "adadelta"
     )

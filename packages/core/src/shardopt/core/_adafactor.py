@@ -167,7 +167,7 @@ def adafactor(
     dims; a full one for others), decays the parameter by ``1 - lr * weight_decay`` and steps by
     the relative step size ``max(eps[1], rms(p)) * min(lr, 1 / sqrt(t))`` along the update
     clipped to rms ``d`` (see [Note: adafactor's scalars]). ``lr`` may be a float, a 0-d tensor
-    or a schedule of the per-parameter count. It has no flat fast path: it needs whole tensors
+    or a schedule of the per-parameter count. It has no piece fast path: it needs whole tensors
     (see [Note: whole tensors]).
 
     Example:

@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import expect_nonnegative
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_adagrad_
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._scalars import cast_like, divide_learning_rate, is_zero
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._transforms import add_decayed_weights, scale
@@ -100,7 +100,7 @@ class AdagradHyperparams:
         expect_nonnegative("adagrad", "eps", self.eps)
 
     def step_size(self, count: torch.Tensor, lr: float | torch.Tensor) -> torch.Tensor:
-        """:func:`adagrad_step_size` with this ``lr_decay`` (for the flat rules)."""
+        """:func:`adagrad_step_size` with this ``lr_decay`` (for the piece rules)."""
         return adagrad_step_size(self.lr_decay, lr, count)
 
     def build(self) -> Transformation:
@@ -133,7 +133,7 @@ def adagrad(
     Same hyperparameters, defaults and validation as torch; the learning rate of step ``t`` is
     ``lr / (1 + (t - 1) * lr_decay)``. ``lr`` may be a float, a 0-d tensor or a schedule of the
     per-parameter count (see [Note: schedule counts]). Registers the flat in-place fast path
-    (``torch._fused_adagrad_``) for :func:`~shardopt.core.update_flat_`.
+    (``torch._fused_adagrad_``) for :func:`~shardopt.core.update_pieces_`.
 
     Example:
         >>> import torch
@@ -150,7 +150,7 @@ def adagrad(
     """
     hp = AdagradHyperparams(lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize)
     return with_kind(
-        with_flat_rule(hp.build(), functools.partial(update_adagrad_, hp)),
+        with_piece_rule(hp.build(), functools.partial(update_adagrad_, hp)),
         Kind.ELEMENTWISE,
         "adagrad",
     )

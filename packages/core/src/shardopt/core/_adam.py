@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_adam_
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._scalars import (
     cast_like,
     divide_learning_rate,
@@ -198,7 +198,7 @@ class AdamHyperparams:
     def step_scalars(
         self, count: torch.Tensor, lr: float | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`adam_step_scalars` with these betas (for the flat rules)."""
+        """:func:`adam_step_scalars` with these betas (for the piece rules)."""
         return adam_step_scalars(self.betas[0], self.betas[1], lr, count)
 
     def build(self) -> Transformation:
@@ -234,7 +234,7 @@ def adam(
 
     Same hyperparameters, defaults and validation as torch. ``lr`` may be a float, a 0-d tensor
     or a schedule of the per-parameter count (see [Note: schedule counts]). Registers the flat
-    in-place fast path (``torch._fused_adam_``) for :func:`~shardopt.core.update_flat_`.
+    in-place fast path (``torch._fused_adam_``) for :func:`~shardopt.core.update_pieces_`.
 
     Example:
         >>> import torch
@@ -253,7 +253,7 @@ def adam(
         "adam", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, decoupled_weight_decay
     )
     return with_kind(
-        with_flat_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adam"
+        with_piece_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adam"
     )
 
 
@@ -279,5 +279,5 @@ def adamw(
     """
     hp = AdamHyperparams("adamw", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, True)
     return with_kind(
-        with_flat_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adamw"
+        with_piece_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adamw"
     )

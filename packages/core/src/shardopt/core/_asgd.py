@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import add_like_torch, asgd_, lr_scalar, operand, prologue
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_map, zeros_like_tree
 
@@ -45,7 +45,7 @@ class ScaleByAsgdState(NamedTuple):
 # special-cases exponents such as 0.5; we compute each as torch does. Holding ``eta`` and ``mu``
 # in float32 like torch (like the counts, whatever torch's default dtype) keeps float64 runs
 # equal to torch's. This is torch's single-tensor path (its default on CPU); its foreach path,
-# which the flat rule follows, rounds differently (see ``asgd_``).
+# which the piece rule follows, rounds differently (see ``asgd_``).
 
 
 def _scalar_per_leaf(params: PyTree, value: Any) -> PyTree:
@@ -63,7 +63,7 @@ def _scalar_per_leaf(params: PyTree, value: Any) -> PyTree:
 
 @dataclass(frozen=True, slots=True)
 class AsgdHyperparams:
-    """The validated hyperparameters of :func:`asgd` (read by its flat rule)."""
+    """The validated hyperparameters of :func:`asgd` (read by its piece rule)."""
 
     lr: ScalarOrSchedule
     lambd: float
@@ -140,8 +140,8 @@ def asgd(
     A chain: [negate if ``maximize``] -> [add ``weight_decay * param``] -> one transformation for
     the step, the average of the iterates (the state's ``ax``) and the next step size, which
     reproduces torch's rounding (see [Note: asgd's eta and mu]). ``lr`` may be a float, a 0-d
-    tensor or a schedule of the per-parameter count. It has a flat fast path (``update_flat_``) on
-    foreach kernels.
+    tensor or a schedule of the per-parameter count. It has a piece fast path (``update_pieces_``)
+    on foreach kernels.
 
     Example:
         >>> import torch
@@ -158,5 +158,5 @@ def asgd(
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _asgd_step(hp))
     return with_kind(
-        with_flat_rule(tx, partial(asgd_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "asgd"
+        with_piece_rule(tx, partial(asgd_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "asgd"
     )

@@ -95,9 +95,9 @@ def identity() -> Transformation:
 # Some transformations are not elementwise: Muon orthogonalizes each whole matrix, Adafactor
 # factors each matrix's second moment into row and column means. Run on a 1-D slice of a flat
 # buffer they would compute something else without an error, so they are marked (by the identity
-# of ``tx.update``, as flat rules are, with a name for messages), ``chain``, ``masked`` and
+# of ``tx.update``, as piece rules are, with a name for messages), ``chain``, ``masked`` and
 # ``partition`` (and ``multi_steps``, ``inject_hyperparams``) carry the mark of any inner
-# transformation, and ``update_flat_`` refuses them.
+# transformation, and ``update_pieces_`` refuses them.
 # WHOLE_TENSORS lives in _kinds.py, beside the kinds it is kept in step with.
 
 

@@ -1,4 +1,4 @@
-"""Shared parts of rmsprop, adamax, nadam, radam, adadelta, rprop, asgd: rounding, flat rules."""
+"""Shared parts of rmsprop, adamax, nadam, radam, adadelta, rprop, asgd: rounding, piece rules."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def sqrt_like_python(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Flat rules.
+# Piece rules.
 #
 # [Note: foreach rules]
 # Each rule does, on the parameters that have a gradient, the sequence of foreach kernels of
@@ -137,7 +137,7 @@ def _prologue_grads(gs: Tensors, ps: Tensors, hp: Any) -> Tensors:
 
 
 class _Active(NamedTuple):
-    """What a flat rule steps: the tensors that have a gradient and their per-tensor scalars."""
+    """What a piece rule steps: the tensors that have a gradient and their per-tensor scalars."""
 
     positions: list[int]  # in the rule's lists
     params: Tensors
@@ -147,7 +147,7 @@ class _Active(NamedTuple):
 
 
 def _begin(params: Tensors, grads: list[torch.Tensor | None], st: Any, hp: Any) -> _Active | None:
-    """The common start of a flat rule: ``None`` if no tensor has a gradient; else advances their
+    """The common start of a piece rule: ``None`` if no tensor has a gradient; else advances their
     counts in ``st`` and returns them with their learning rates and prologue gradients."""
     index, ps, gs = _active(params, grads)
     if not index:
@@ -188,7 +188,7 @@ def _decay_decoupled_(ps: Tensors, lrs: list[float], hp: Any) -> None:
 def rmsprop_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``rmsprop``: ``state[at]`` is its transformation's state."""
+    """The piece rule of ``rmsprop``: ``state[at]`` is its transformation's state."""
     rms = state[at]
     if (act := _begin(params, grads, rms, hp)) is None:
         return
@@ -216,7 +216,7 @@ def rmsprop_(
 def adamax_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``adamax``: ``state[at]`` is its transformation's state."""
+    """The piece rule of ``adamax``: ``state[at]`` is its transformation's state."""
     st = state[at]
     if (act := _begin(params, grads, st, hp)) is None:
         return
@@ -235,7 +235,7 @@ def adamax_(
 def nadam_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``nadam``: ``state[at]`` is its transformation's state."""
+    """The piece rule of ``nadam``: ``state[at]`` is its transformation's state."""
     st = state[at]
     if (act := _begin(params, grads, st, hp)) is None:
         return
@@ -279,7 +279,7 @@ def _radam_sizes(
 def radam_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``radam``: ``state[at]`` is its transformation's state."""
+    """The piece rule of ``radam``: ``state[at]`` is its transformation's state."""
     st = state[at]
     if (act := _begin(params, grads, st, hp)) is None:
         return
@@ -300,7 +300,7 @@ def radam_(
 def adadelta_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``adadelta``: ``state[at]`` is its transformation's state."""
+    """The piece rule of ``adadelta``: ``state[at]`` is its transformation's state."""
     st = state[at]
     if (act := _begin(params, grads, st, hp)) is None:
         return
@@ -320,7 +320,7 @@ def adadelta_(
 def rprop_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``rprop``: ``state[at]`` is scale_by_rprop's state."""
+    """The piece rule of ``rprop``: ``state[at]`` is scale_by_rprop's state."""
     st = state[at]
     index, ps, gs = _active(params, grads)
     if not index:
@@ -359,7 +359,7 @@ def _asgd_etas(hp: Any, lrs: list[float], counts: Tensors) -> list[torch.Tensor]
 def asgd_(
     params: Tensors, grads: list[torch.Tensor | None], state: Any, *, hp: Any, at: int
 ) -> None:
-    """The flat rule of ``asgd``: ``state[at]`` is its transformation's state.
+    """The piece rule of ``asgd``: ``state[at]`` is its transformation's state.
 
     torch's foreach ASGD folds the decay into one ``addcmul``: ``p -= eta * (g + lambd * p)``,
     and computes the next ``eta`` in float32 on the counts (its single-tensor path, which the pure

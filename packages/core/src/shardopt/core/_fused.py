@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from shardopt.core._base import EmptyState, Transformation
-from shardopt.core._flat import update_flat_
+from shardopt.core._pieces import update_pieces_
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._transforms import ScaleByScheduleState
 from shardopt.core._tree import tree_leaves
@@ -64,8 +64,8 @@ class AdagradLike(_Hyperparams, Protocol):
     def step_size(self, count: torch.Tensor, lr: Lr) -> torch.Tensor: ...
 
 
-# [Note: flat rules]
-# A rule (see [Note: flat fast path]) drops the parameters without a gradient, picks a kernel for
+# [Note: piece rules]
+# A rule (see [Note: piece fast path]) drops the parameters without a gradient, picks a kernel for
 # the rest and updates parameters and state tensors in place:
 # - FUSED: ``torch._fused_<name>_`` on CPU and CUDA (SGD: CUDA only, see
 #   [Note: SGD on CPU is foreach]), one launch per (device, dtype, lr) group.
@@ -79,11 +79,11 @@ class AdagradLike(_Hyperparams, Protocol):
 # - PURE: the pure transformation, copied back, for tensor hyperparameters other than lr, and
 #   for parameters whose gradients have another dtype or device.
 # Every count of the factory's chain advances by one per parameter stepped, as in the pure path,
-# so the pure path and the flat rule can take turns on the same state.
+# so the pure path and the piece rule can take turns on the same state.
 
 
 class Kernel(enum.Enum):
-    """How a flat rule updates its tensors (see [Note: flat rules])."""
+    """How a piece rule updates its tensors (see [Note: piece rules])."""
 
     FUSED = "fused"
     FOREACH = "foreach"
@@ -176,7 +176,7 @@ def _drive(
     fused_on: frozenset[str],
     supported: bool,
 ) -> None:
-    """The common part of the rules: see [Note: flat rules]."""
+    """The common part of the rules: see [Note: piece rules]."""
     idx = [i for i, g in enumerate(grads) if g is not None]
     if not idx:
         return
@@ -184,7 +184,7 @@ def _drive(
     ps, gs = params if every else _pick(params, idx), [g for g in grads if g is not None]
     kernel = select_kernel(ps, gs, fused_on=fused_on) if supported else Kernel.PURE
     if kernel is Kernel.PURE:
-        update_flat_(hp.build(), params, grads, state)
+        update_pieces_(hp.build(), params, grads, state)
         return
     main, schedule_counts = split_state(state)
 
@@ -267,7 +267,7 @@ def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
 
 
 def update_sgd_(hp: SGDLike, params: Tensors, grads: list[Any], state: Any) -> None:
-    """The flat rule of :func:`~shardopt.core.sgd` (see [Note: flat rules] and
+    """The piece rule of :func:`~shardopt.core.sgd` (see [Note: piece rules] and
     [Note: SGD on CPU is foreach])."""
     damped = hp.momentum != 0 and hp.dampening != 0
     plain = not isinstance(hp.weight_decay, torch.Tensor)
@@ -322,7 +322,7 @@ def _foreach_sgd(hp: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[L
 
 
 def update_adam_(hp: AdamLike, params: Tensors, grads: list[Any], state: Any) -> None:
-    """The flat rule of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
+    """The piece rule of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
     plain = not any(isinstance(x, torch.Tensor) for x in (*hp.betas, hp.weight_decay))
     kernels = {Kernel.FUSED: _fused_adam, Kernel.FOREACH: _foreach_adam}
     _drive(hp, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
@@ -378,7 +378,7 @@ def _foreach_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list
 
 
 def update_adagrad_(hp: AdagradLike, params: Tensors, grads: list[Any], state: Any) -> None:
-    """The flat rule of :func:`~shardopt.core.adagrad` (see [Note: flat rules])."""
+    """The piece rule of :func:`~shardopt.core.adagrad` (see [Note: piece rules])."""
     plain = not isinstance(hp.weight_decay, torch.Tensor)
     kernels = {Kernel.FUSED: _fused_adagrad, Kernel.FOREACH: _foreach_adagrad}
     _drive(hp, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)

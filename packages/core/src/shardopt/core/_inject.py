@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core._base import Transformation, inherit_whole_tensors
-from shardopt.core._flat import update_flat_, with_flat_rule
+from shardopt.core._pieces import update_pieces_, with_piece_rule
 from shardopt.core._tree import PyTree
 
 __all__ = ["InjectHyperparamsState", "InjectedHyperparams", "inject_hyperparams", "set_hyperparams"]
@@ -21,7 +21,7 @@ Factory = Callable[..., Transformation]
 # at run time (a learning rate under a scheduler) lives in the state, not in the closures:
 # ``inject_hyperparams(factory, **hyperparams)`` keeps ``hyperparams`` in its state beside the
 # state of ``factory(**hyperparams)``, and each ``update`` builds ``factory(**state.hyperparams)``
-# afresh (closures, a few microseconds) and runs it, through its flat rule on flat buffers (which
+# afresh (closures, a few microseconds) and runs it, through its piece rule on flat buffers (which
 # keeps the transformation of the last values it saw, compared as ``set_hyperparams`` compares
 # them: the sharding engine updates bucket after bucket with the same values). So a
 # new value is a new state, ``set_hyperparams(state, lr=...)``, and nothing else is rebuilt: the
@@ -111,8 +111,8 @@ def inject_hyperparams(factory: Factory, **hyperparams: Any) -> Transformation:
     """``factory(**hyperparams)`` whose hyperparameters live in its state, to be changed between
     steps by :func:`set_hyperparams` (see [Note: hyperparameters in the state]).
 
-    Each ``update`` runs ``factory(**state.hyperparams)``; on flat buffers its flat rule
-    (:func:`~shardopt.core.update_flat_`) runs in place. Every argument given is a hyperparameter
+    Each ``update`` runs ``factory(**state.hyperparams)``; on flat buffers its piece rule
+    (:func:`~shardopt.core.update_pieces_`) runs in place. Every argument given is a hyperparameter
     of the state; the factory's other arguments keep their defaults. It needs whole tensors if
     ``factory(**hyperparams)`` does (see [Note: whole tensors]).
 
@@ -148,9 +148,9 @@ def inject_hyperparams(factory: Factory, **hyperparams: Any) -> Transformation:
     def rule(params: list[torch.Tensor], grads: list[torch.Tensor | None], state: Any) -> None:
         if not _same_values(last[0], state.hyperparams):
             last[:] = [dict(state.hyperparams), factory(**state.hyperparams)]
-        update_flat_(last[1], params, grads, state.inner)
+        update_pieces_(last[1], params, grads, state.inner)
 
-    tx = with_flat_rule(Transformation(init, update), rule)
+    tx = with_piece_rule(Transformation(init, update), rule)
     return inherit_whole_tensors(tx, [built])  # [Note: whole tensors]
 
 

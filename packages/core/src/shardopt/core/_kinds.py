@@ -97,7 +97,7 @@ def with_kind(tx: Any, kind: Kind, name: str) -> Any:
     if not isinstance(kind, Kind):
         raise TypeError(f"with_kind: expected a shardopt.core.blocks.Kind, got {kind!r}")
     _KINDS[tx.update] = Declared(kind, name)
-    if Kind.SHAPED in kind:  # the older mark, which update_flat_ and the plans read
+    if Kind.SHAPED in kind:  # the older mark, which update_pieces_ and the plans read
         WHOLE_TENSORS[tx.update] = name
     return tx
 

@@ -176,7 +176,7 @@ def muon(
     with :func:`orthogonalize` (bfloat16, as torch), applies the decoupled weight decay
     ``p *= 1 - lr * weight_decay`` and steps by ``lr`` times torch's shape ratio
     (``adjust_lr_fn``). ``lr`` may be a float, a 0-d tensor or a schedule of the per-parameter
-    count. It has no flat fast path: it needs whole tensors (see [Note: whole tensors]).
+    count. It has no piece fast path: it needs whole tensors (see [Note: whole tensors]).
 
     Example:
         >>> import torch

@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_betas, check_learning_rate, check_weight_decay, expect
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import decays, lr_scalar, nadam_, operand, prologue
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, tree_map, zeros_like_tree
 
@@ -45,7 +45,7 @@ def _init_mu_product(params: PyTree) -> PyTree:
 
 @dataclass(frozen=True, slots=True)
 class NadamHyperparams:
-    """The validated hyperparameters of :func:`nadam` (read by its flat rule)."""
+    """The validated hyperparameters of :func:`nadam` (read by its piece rule)."""
 
     lr: ScalarOrSchedule
     betas: tuple[float, float]
@@ -136,7 +136,7 @@ def nadam(
     ``decoupled_weight_decay`` (NAdamW)] -> one transformation for the moments and the step, which
     reproduces torch's rounding of the parameters (see [Note: torch's parameter rounding]).
     ``lr`` may be a float, a 0-d tensor or a schedule of the per-parameter count. It has a flat
-    fast path (``update_flat_``) on foreach kernels.
+    fast path (``update_pieces_``) on foreach kernels.
 
     Example:
         >>> import torch
@@ -155,5 +155,5 @@ def nadam(
     links = prologue(maximize, 0.0 if decoupled_weight_decay else weight_decay)
     tx = chain(*links, _nadam_step(hp))
     return with_kind(
-        with_flat_rule(tx, partial(nadam_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "nadam"
+        with_piece_rule(tx, partial(nadam_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "nadam"
     )

@@ -15,7 +15,7 @@ from shardopt.core._plan_io import plan_fields, plan_to_dict
 from shardopt.core._plan_layout import assign_owners, layout_flat, layout_greedy, layout_mixed
 from shardopt.core._plan_spec import (
     Bucket,
-    FlatGroup,
+    BufferGroup,
     Piece,
     Strategy,
     TensorSpec,
@@ -29,7 +29,7 @@ from shardopt.core._plan_spec import (
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
     "Bucket",
-    "FlatGroup",
+    "BufferGroup",
     "Piece",
     "Plan",
     "Strategy",
@@ -83,7 +83,7 @@ class Plan:
     world_size: int
     align: int
     tensors: tuple[TensorSpec, ...]
-    groups: tuple[FlatGroup, ...]
+    groups: tuple[BufferGroup, ...]
     owners: tuple[int, ...] | None
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
     # (group, bucket, offset in the group's buffer) of each tensor; derived, so not compared
@@ -112,7 +112,7 @@ class Plan:
         check_int("Plan", "align", self.align, 1)
         if self.bucket_numel is not None:
             check_int("Plan", "bucket_numel", self.bucket_numel, 1)
-        for name, kind in (("tensors", TensorSpec), ("groups", FlatGroup)):
+        for name, kind in (("tensors", TensorSpec), ("groups", BufferGroup)):
             value = getattr(self, name)
             if not isinstance(value, (tuple, list)) or not all(isinstance(v, kind) for v in value):
                 raise TypeError(f"Plan: expected {name} to be a tuple of {kind.__name__}")

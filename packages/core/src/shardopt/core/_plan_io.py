@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from shardopt.core._plan_spec import Bucket, FlatGroup, Strategy, TensorSpec, short
+from shardopt.core._plan_spec import Bucket, BufferGroup, Strategy, TensorSpec, short
 
 __all__ = ["PlanData", "plan_fields", "plan_to_dict"]
 
@@ -37,7 +37,7 @@ class PlanData(Protocol):
     @property
     def tensors(self) -> tuple[TensorSpec, ...]: ...
     @property
-    def groups(self) -> tuple[FlatGroup, ...]: ...
+    def groups(self) -> tuple[BufferGroup, ...]: ...
     @property
     def owners(self) -> tuple[int, ...] | None: ...
 
@@ -84,7 +84,7 @@ def plan_to_dict(plan: PlanData) -> dict[str, Any]:
 def plan_fields(data: Any) -> dict[str, Any]:
     """The :class:`Plan` arguments in ``data`` (a :func:`plan_to_dict` result), its format checked.
 
-    The records become TensorSpecs and FlatGroups here; the Plan checks the rest when built.
+    The records become TensorSpecs and BufferGroups here; the Plan checks the rest when built.
 
     Example:
         >>> from shardopt.core import plan_partition
@@ -114,7 +114,7 @@ def plan_fields(data: Any) -> dict[str, Any]:
     }
 
 
-def _group(**fields: Any) -> FlatGroup:
+def _group(**fields: Any) -> BufferGroup:
     buckets = fields.get("buckets")
     if not isinstance(buckets, (list, tuple)):
         raise TypeError(f"expected buckets to be a list, got {short(buckets)}")
@@ -126,7 +126,7 @@ def _group(**fields: Any) -> FlatGroup:
             raise ValueError(f"expected each bucket to have keys start and shards, got {sorted(b)}")
         shards = b["shards"]
         made.append(Bucket(b["start"], tuple(shards) if isinstance(shards, list) else shards))
-    return FlatGroup(**{**fields, "buckets": tuple(made)})
+    return BufferGroup(**{**fields, "buckets": tuple(made)})
 
 
 def _records(api: str, name: str, items: Any, kind: Callable[..., Any]) -> Iterable[Any]:

@@ -7,7 +7,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from shardopt.core._plan_spec import Bucket, FlatGroup, TensorSpec, short
+from shardopt.core._plan_spec import Bucket, BufferGroup, TensorSpec, short
 
 Shards = tuple[int, ...]
 
@@ -166,7 +166,7 @@ def layout_flat(
     world_size: int,
     align: int,
     bucket_numel: int | None,
-) -> tuple[FlatGroup, ...]:
+) -> tuple[BufferGroup, ...]:
     """The FLAT groups of ``tensors``, whose sizes are ``numels`` (see [Note: plan layout]).
 
     Example:
@@ -192,7 +192,7 @@ def layout_greedy(
     world_size: int,
     align: int,
     bucket_numel: int | None,
-) -> tuple[FlatGroup, ...]:
+) -> tuple[BufferGroup, ...]:
     """The GREEDY groups of ``tensors`` (sizes ``numels``) owned by ``owners``.
 
     See [Note: plan layout].
@@ -227,7 +227,7 @@ def layout_mixed(
     owners: Sequence[int],
     world_size: int,
     bucket_numel: int | None,
-) -> tuple[FlatGroup, ...]:
+) -> tuple[BufferGroup, ...]:
     """The MIXED groups of ``tensors`` (sizes ``numels``): ``owners[i]`` owns tensor i whole, or
     it is cut where the shards fall if -1 (see [Note: plan layout]).
 
@@ -250,7 +250,7 @@ def _layout(
     world_size: int,
     bucket_numel: int | None,
     bucket: Callable[[Sequence[int], int, list[int], list[int]], Shards],
-) -> tuple[FlatGroup, ...]:
+) -> tuple[BufferGroup, ...]:
     """One group per (dtype, device), each cut into buckets of whole tensors (``cut_buckets``);
     ``bucket(run, start, order, offsets)`` lays out one at ``start`` (appending its tensors to
     ``order`` and their offsets to ``offsets``) and returns its shard sizes: the part of
@@ -267,7 +267,7 @@ def _layout(
             buckets.append(Bucket(start, shards))
             start += sum(shards)
         groups.append(
-            FlatGroup(dtype, device, tuple(order), tuple(offsets), tuple(buckets), world_size)
+            BufferGroup(dtype, device, tuple(order), tuple(offsets), tuple(buckets), world_size)
         )
     return tuple(groups)
 

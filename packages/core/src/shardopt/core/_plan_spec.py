@@ -13,7 +13,7 @@ import torch
 
 __all__ = [
     "Bucket",
-    "FlatGroup",
+    "BufferGroup",
     "Piece",
     "Strategy",
     "TensorSpec",
@@ -252,7 +252,7 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True)
-class FlatGroup:
+class BufferGroup:
     """One flat buffer: the tensors of one (dtype, device), cut into buckets.
 
     Tensor ``tensors[k]`` lies at element ``offsets[k]`` (offsets do not decrease), wholly inside
@@ -260,7 +260,7 @@ class FlatGroup:
     of the group (``shard_numels[r]`` elements), laid out as its optimizer state is.
 
     Example:
-        >>> g = FlatGroup("float32", "cpu", (0, 1), (0, 12), (Bucket(0, (16, 16)),), 2)
+        >>> g = BufferGroup("float32", "cpu", (0, 1), (0, 12), (Bucket(0, (16, 16)),), 2)
         >>> g.numel, g.shard_numels
         (32, (16, 16))
     """
@@ -274,28 +274,28 @@ class FlatGroup:
     _shard_numels: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_dtype_device("FlatGroup", self, self.dtype, self.device)
-        object.__setattr__(self, "tensors", check_ints("FlatGroup", "tensors", self.tensors, 0))
-        object.__setattr__(self, "offsets", check_ints("FlatGroup", "offsets", self.offsets, 0))
+        _check_dtype_device("BufferGroup", self, self.dtype, self.device)
+        object.__setattr__(self, "tensors", check_ints("BufferGroup", "tensors", self.tensors, 0))
+        object.__setattr__(self, "offsets", check_ints("BufferGroup", "offsets", self.offsets, 0))
         if len(self.tensors) != len(self.offsets):
             raise ValueError(
-                f"FlatGroup: expected one offset per tensor, got {len(self.offsets)} offsets "
+                f"BufferGroup: expected one offset per tensor, got {len(self.offsets)} offsets "
                 f"for {len(self.tensors)} tensors"
             )
         if len(set(self.tensors)) != len(self.tensors):
-            raise ValueError(f"FlatGroup: expected distinct tensors, got {short(self.tensors)}")
-        check_int("FlatGroup", "world_size", self.world_size, 1)
+            raise ValueError(f"BufferGroup: expected distinct tensors, got {short(self.tensors)}")
+        check_int("BufferGroup", "world_size", self.world_size, 1)
         buckets = self.buckets
         if not isinstance(buckets, (tuple, list)) or not all(
             isinstance(b, Bucket) for b in buckets
         ):
-            raise TypeError("FlatGroup: expected buckets to be a tuple of Bucket")
+            raise TypeError("BufferGroup: expected buckets to be a tuple of Bucket")
         object.__setattr__(self, "buckets", tuple(buckets))
         end = 0
         for i, b in enumerate(self.buckets):
             if b.start != end or len(b.shards) != self.world_size:
                 raise ValueError(
-                    f"FlatGroup: expected buckets[{i}] to start at {end} with "
+                    f"BufferGroup: expected buckets[{i}] to start at {end} with "
                     f"{self.world_size} shards, got start {b.start} and {len(b.shards)} shards"
                 )
             end = b.stop

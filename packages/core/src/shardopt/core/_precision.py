@@ -32,7 +32,7 @@ __all__ = ["with_state_dtype"]
 # Being a plain transformation, it composes (inside ``chain``, ``partition``, around
 # ``inject_hyperparams``) and shards: shardopt.functional finds the state's fields and their
 # dtypes by probing ``init``, so the sharded flat buffers are bfloat16 and hold half the bytes,
-# and its cost model is told the dtype (``layout_cost(..., state_dtype=...)``). What it gives up is
+# and its cost model is told the dtype (``shard_cost(..., state_dtype=...)``). What it gives up is
 # the fused flat kernels (torch's fused Adam wants one dtype for parameters and state): the
 # sharded update runs the pure rule, which reads and writes each state element once more.
 

@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_betas, check_learning_rate, check_weight_decay, expect
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import decays, lr_scalar, operand, prologue, radam_, sqrt_like_python
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -38,7 +38,7 @@ class ScaleByRadamState(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class RadamHyperparams:
-    """The validated hyperparameters of :func:`radam` (read by its flat rule)."""
+    """The validated hyperparameters of :func:`radam` (read by its piece rule)."""
 
     lr: ScalarOrSchedule
     betas: tuple[float, float]
@@ -122,7 +122,7 @@ def radam(
     ``decoupled_weight_decay`` (RAdamW)] -> one transformation for the moments and the step, which
     reproduces torch's rounding of the parameters (see [Note: torch's parameter rounding]).
     ``lr`` may be a float, a 0-d tensor or a schedule of the per-parameter count. It has a flat
-    fast path (``update_flat_``) on foreach kernels.
+    fast path (``update_pieces_``) on foreach kernels.
 
     Example:
         >>> import torch
@@ -138,5 +138,5 @@ def radam(
     links = prologue(maximize, 0.0 if decoupled_weight_decay else weight_decay)
     tx = chain(*links, _radam_step(hp))
     return with_kind(
-        with_flat_rule(tx, partial(radam_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "radam"
+        with_piece_rule(tx, partial(radam_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "radam"
     )

@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_weight_decay, expect
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import add_like_torch, operand, prologue, rmsprop_
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._schedules import ScalarOrSchedule, resolve
 from shardopt.core._tree import PyTree, leafwise, zeros_like_tree
 
@@ -34,7 +34,7 @@ class ScaleByRmsState(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class RmspropHyperparams:
-    """The validated hyperparameters of :func:`rmsprop` (read by its flat rule)."""
+    """The validated hyperparameters of :func:`rmsprop` (read by its piece rule)."""
 
     lr: ScalarOrSchedule
     alpha: float
@@ -125,7 +125,7 @@ def rmsprop(
     A chain: [negate if ``maximize``] -> [add ``weight_decay * param``] -> one transformation for
     the moving averages and the step, which reproduces torch's rounding of the parameters (see
     [Note: torch's parameter rounding]). ``lr`` may be a float, a 0-d tensor or a schedule of
-    the per-parameter count. It has a flat fast path (``update_flat_``) on foreach kernels.
+    the per-parameter count. It has a piece fast path (``update_pieces_``) on foreach kernels.
 
     Example:
         >>> import torch
@@ -142,5 +142,5 @@ def rmsprop(
     links = prologue(maximize, weight_decay)
     tx = chain(*links, _rmsprop_step(hp))
     return with_kind(
-        with_flat_rule(tx, partial(rmsprop_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "rmsprop"
+        with_piece_rule(tx, partial(rmsprop_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "rmsprop"
     )

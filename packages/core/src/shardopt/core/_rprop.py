@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import check_learning_rate, check_pair, expect
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._foreach import rprop_
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._transforms import scale
 from shardopt.core._tree import PyTree, leafwise, tree_map, zeros_like_tree
 
@@ -105,7 +105,7 @@ def scale_by_rprop(
 
 @dataclass(frozen=True, slots=True)
 class RpropHyperparams:
-    """The validated hyperparameters of :func:`rprop` (read by its flat rule)."""
+    """The validated hyperparameters of :func:`rprop` (read by its piece rule)."""
 
     lr: float | torch.Tensor
     etas: tuple[float, float]
@@ -127,7 +127,8 @@ def rprop(
 
     A chain: [negate if ``maximize``] -> :func:`scale_by_rprop` -> negate. ``lr`` is the initial
     step size (a float or a 0-d tensor, read by ``init``); as in torch it is not a learning rate
-    that scales later steps, so a schedule is rejected. It has a flat fast path (``update_flat_``).
+    that scales later steps, so a schedule is rejected. It has a piece fast path
+    (``update_pieces_``).
 
     Example:
         >>> import torch
@@ -144,5 +145,5 @@ def rprop(
     links = [scale(-1.0)] if maximize else []
     tx = chain(*links, scale_by_rprop(lr, etas, step_sizes), scale(-1.0))
     return with_kind(
-        with_flat_rule(tx, partial(rprop_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "rprop"
+        with_piece_rule(tx, partial(rprop_, hp=hp, at=len(links))), Kind.ELEMENTWISE, "rprop"
     )

@@ -10,9 +10,9 @@ import torch
 
 from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
-from shardopt.core._flat import with_flat_rule
 from shardopt.core._fused import update_sgd_
 from shardopt.core._kinds import Kind, with_kind
+from shardopt.core._pieces import with_piece_rule
 from shardopt.core._scalars import is_zero, learning_rate_at
 from shardopt.core._schedules import ScalarOrSchedule
 from shardopt.core._transforms import ScaleByScheduleState, add_decayed_weights, scale
@@ -153,7 +153,7 @@ def sgd(
 
     Same hyperparameters, defaults and validation as torch. ``lr`` may be a float, a 0-d tensor
     or a schedule of the per-parameter count (see [Note: schedule counts]). Registers the flat
-    in-place fast path for :func:`~shardopt.core.update_flat_`: torch's foreach ops on CPU,
+    in-place fast path for :func:`~shardopt.core.update_pieces_`: torch's foreach ops on CPU,
     bitwise equal to ``torch.optim.SGD`` on any split of a tensor, ``torch._fused_sgd_`` on
     CUDA (see [Note: SGD on CPU is foreach]).
 
@@ -172,5 +172,5 @@ def sgd(
     """
     hp = SGDHyperparams(lr, momentum, dampening, weight_decay, nesterov, maximize)
     return with_kind(
-        with_flat_rule(hp.build(), functools.partial(update_sgd_, hp)), Kind.ELEMENTWISE, "sgd"
+        with_piece_rule(hp.build(), functools.partial(update_sgd_, hp)), Kind.ELEMENTWISE, "sgd"
     )

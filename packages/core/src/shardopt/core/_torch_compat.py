@@ -35,7 +35,7 @@ __all__ = ["TORCH_COMPAT", "TorchCompat", "torch_compat"]
 # whether torch keeps it). torch.optim.SGD keeps no step count, so TraceState's ``count`` is
 # saved under "step" in shardopt's own forms but left out of torch's. ``eager``: torch creates
 # the state of every parameter at construction (Adagrad), not at its first gradient. Every
-# elementwise factory has a flat rule (the fast path over flat buffers); Muon and Adafactor need
+# elementwise factory has a piece rule (the fast path over flat buffers); Muon and Adafactor need
 # whole tensors ([Note: whole tensors]) and run on tensors of their own shapes. Which of a record's
 # keys torch keeps for a parameter can depend on its shape (Adafactor: ``row_var`` and ``col_var``
 # for 2 or more dims, ``variance`` below): a key torch keeps is there when the factory's state

@@ -2,7 +2,7 @@
 
 A training loop needs none of these; a new optimizer or an engine on top of core does: pytree
 helpers, ``leafwise`` (one rule per leaf, with counts), ``init_count``, schedules' ``resolve``,
-flat rules (the fast path over flat buffers, see [Note: flat fast path]) and the mark of what
+piece rules (the fast path over flat buffers, see [Note: piece fast path]) and the mark of what
 cannot run on flat slices ([Note: whole tensors]), the validated hyperparameters that the fused
 optimizers run from (every optimizer keeps its own in a frozen ``<Name>Hyperparams``), and the
 torch compatibility record of every optimizer ([Note: torch compatibility records]).
@@ -18,7 +18,6 @@ from shardopt.core._adagrad import AdagradHyperparams
 from shardopt.core._adam import AdamHyperparams
 from shardopt.core._base import init_count, needs_whole_tensors, stateless, with_whole_tensors
 from shardopt.core._combinators import PartitionRule, partition_rule, whole_tensor_mask
-from shardopt.core._flat import FlatRule, flat_rule, update_whole_, with_flat_rule
 from shardopt.core._kinds import (
     Declared,
     Kind,
@@ -29,6 +28,7 @@ from shardopt.core._kinds import (
     with_kind,
 )
 from shardopt.core._moments import bias_correction, update_moment, update_moment_per_elem_norm
+from shardopt.core._pieces import PieceRule, piece_rule, update_whole_, with_piece_rule
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._probe import probe_kind
 from shardopt.core._reduce import (
@@ -49,6 +49,7 @@ from shardopt.core._reduce import (
     tree_sum_sq,
     whole_reference,
 )
+from shardopt.core._renamed import renamed_getattr
 from shardopt.core._schedules import resolve
 from shardopt.core._sgd import SGDHyperparams
 from shardopt.core._torch_compat import TORCH_COMPAT, TorchCompat, torch_compat
@@ -93,12 +94,12 @@ __all__ = [
     "TORCH_COMPAT",
     "AdagradHyperparams",
     "AdamHyperparams",
-    "FlatRule",
+    "PieceRule",
     "PartitionRule",
     "PyTree",
     "SGDHyperparams",
     "TorchCompat",
-    "flat_rule",
+    "piece_rule",
     "init_count",
     "leafwise",
     "local_tensor",
@@ -111,7 +112,14 @@ __all__ = [
     "tree_map",
     "tree_structure",
     "update_whole_",
-    "with_flat_rule",
+    "with_piece_rule",
     "with_whole_tensors",
     "zeros_like_tree",
 ]
+
+# Old names (see [Note: renamed names] in _renamed.py):
+__getattr__ = renamed_getattr(
+    __name__,
+    {"FlatRule": "PieceRule", "flat_rule": "piece_rule", "with_flat_rule": "with_piece_rule"},
+    globals(),
+)

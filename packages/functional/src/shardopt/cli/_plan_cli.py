@@ -25,7 +25,7 @@ _ASSUMPTIONS = (
     "DDP: torch.optim.AdamW, gradient_as_bucket_view=True (no second gradient copy)",
     "stage 1: local gradients kept, reduce-scatter into 1/W shards + all-gather of the buckets",
     "stage 2: as stage 1, full gradients freed as they are packed (1/W gradient memory)",
-    "from shardopt.functional.layout_cost, the engine's own rules (buckets, shards, staging)",
+    "from shardopt.functional.shard_cost, the engine's own rules (buckets, shards, staging)",
     "shardopt's calls: {calls}",
     "sent = received per rank per step, ring algorithms: all-reduce 2(W-1)/W of the buffer, "
     "reduce-scatter and all-gather (W-1)/W",

@@ -9,18 +9,18 @@ from dataclasses import dataclass
 import torch
 
 from shardopt.core import TensorSpec, plan_partition
-from shardopt.functional import RankBytes, Traffic, layout_cost, replica_traffic
+from shardopt.functional import RankBytes, Traffic, replica_traffic, shard_cost
 
 __all__ = ["DDP", "ParamSpec", "Prediction", "predict"]
 
 # [Note: what plan predicts]
-# shardopt's rows come from ``shardopt.functional.layout_cost`` over the plan that
-# ``plan_partition`` makes of the trainable parameters (see [Note: cost of a layout] there); the
-# frozen ones are held whole by every rank and have no gradient and no state. DDP's row is
-# DDP + torch.optim.AdamW: every rank holds everything (DDP with ``gradient_as_bucket_view=True``:
-# its buckets are the gradients) and all-reduces every gradient. Transients (activations, a
-# gradient alive between its computation and its reduction) are not counted: they depend on
-# the model's forward, not on the partition.
+# shardopt's rows come from ``shardopt.functional.shard_cost`` over the plan that
+# ``plan_partition`` makes of the trainable parameters (see [Note: cost of a sharded optimizer]
+# there); the frozen ones are held whole by every rank and have no gradient and no state. DDP's row
+# is DDP + torch.optim.AdamW: every rank holds everything (DDP with
+# ``gradient_as_bucket_view=True``: its buckets are the gradients) and all-reduces every gradient.
+# Transients (activations, a gradient alive between its computation and its reduction) are not
+# counted: they depend on the model's forward, not on the partition.
 
 
 # A prediction's ``stage`` is the CLI's ``--stage``: 0 is DDP with torch.optim (nothing
@@ -151,7 +151,7 @@ def predict(
     plan = plan_partition(
         trainable, world_size, strategy=strategy, align=align, bucket_numel=bucket_numel
     )
-    ranks, traffic = layout_cost(
+    ranks, traffic = shard_cost(
         plan,
         stage=stage,
         grads_averaged=grads_averaged,

@@ -1,4 +1,4 @@
-"""Language models of the CLI: GPT-2 and LLaMA layouts, and the presets ``shardopt plan`` knows."""
+"""Language models of the CLI: GPT-2 and LLaMA shapes, and the presets ``shardopt plan`` knows."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ __all__ = ["PRESETS", "GPT", "GPTBlock", "GPTConfig", "Llama", "LlamaConfig", "b
 
 @dataclass(frozen=True, slots=True)
 class GPTConfig:
-    """A GPT-2 layout: vocabulary, context length, width, depth and attention heads.
+    """A GPT-2 shape: vocabulary, context length, width, depth and attention heads.
 
     ``qkv_bias=False`` drops the attention input bias (GPT-2 has one): the key part of it gets
     an exactly zero gradient (softmax ignores a constant added to a row of scores), computed as
@@ -110,7 +110,7 @@ class GPT(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """A LLaMA layout: vocabulary, width, depth, heads and the SwiGLU hidden width."""
+    """A LLaMA shape: vocabulary, width, depth, heads and the SwiGLU hidden width."""
 
     vocab: int
     width: int

@@ -1,6 +1,8 @@
 """shardopt.functional: stateless ZeRO-1 and ZeRO-2 sharded updates over torch.distributed."""
 
-from shardopt.functional._cost import RankBytes, Traffic, layout_cost, replica_traffic
+from typing import Any
+
+from shardopt.functional._cost import RankBytes, Traffic, replica_traffic, shard_cost
 from shardopt.functional._options import ShardOptions, Stage
 from shardopt.functional._shard import ShardedTransformation, shard
 from shardopt.functional.checkpoint._checkpoint import load_sharded_state_dict, sharded_state_dict
@@ -27,15 +29,13 @@ from shardopt.functional.engine._hooks import (
 )
 from shardopt.functional.engine._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.functional.engine._param_buffers import ParamBuffers
-from shardopt.functional.engine._state import FieldKind, ShardedState, StateField, StepStats
-
-FlatLayout = ParamBuffers  # the name before issue 39 split the gradient half out (docs/glossary.md)
+from shardopt.functional.engine._renamed import warn_renamed
+from shardopt.functional.engine._state import FieldGranularity, ShardedState, StateField, StepStats
 
 __all__ = [
     "Algorithm",
     "CheckpointError",
-    "FieldKind",
-    "FlatLayout",
+    "FieldGranularity",
     "GradHooks",
     "ParamBuffers",
     "ParamHooks",
@@ -53,7 +53,7 @@ __all__ = [
     "average_params",
     "averaging_due",
     "consolidate_state_dict",
-    "layout_cost",
+    "shard_cost",
     "load_checkpoint",
     "load_sharded_state_dict",
     "load_torch_state_dict",
@@ -68,3 +68,19 @@ __all__ = [
     "torch_hyperparams",
     "wait_params",
 ]
+
+
+# Old names, each with a FutureWarning ([Note: renamed names] in engine/_renamed.py):
+_RENAMED = {
+    "FlatLayout": "ParamBuffers",
+    "FieldKind": "FieldGranularity",
+    "layout_cost": "shard_cost",
+}
+
+
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warn_renamed(f"shardopt.functional.{name}", f"shardopt.functional.{new}")
+    return globals()[new]

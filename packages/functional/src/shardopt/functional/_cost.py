@@ -1,4 +1,4 @@
-"""What a layout costs, from shapes alone: the bytes each rank holds and moves per step."""
+"""What a sharded optimizer costs, from shapes: the bytes each rank holds and moves per step."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from shardopt.functional.engine._collectives import Algorithm, bucket_calls
 from shardopt.functional.engine._reduction import replica_chunks
 from shardopt.functional.engine._staging import staging_numel
 
-__all__ = ["RankBytes", "Traffic", "layout_cost", "replica_traffic", "ring_bytes"]
+__all__ = ["RankBytes", "Traffic", "shard_cost", "replica_traffic", "ring_bytes"]
 
-# [Note: cost of a layout]
-# ``layout_cost`` reads the plan the engine runs on and the engine's own rules (staging_numel,
+# [Note: cost of a sharded optimizer]
+# ``shard_cost`` reads the plan the engine runs on and the engine's own rules (staging_numel,
 # bucket_calls), so a prediction and a run cannot drift apart; a test compares both byte for byte
 # at W = 2, 3 and 4. The optimizer is Adam/AdamW over the plan's (trainable) tensors. Per rank,
 # between steps:
@@ -46,7 +46,7 @@ __all__ = ["RankBytes", "Traffic", "layout_cost", "replica_traffic", "ring_bytes
 
 @dataclass(frozen=True, slots=True)
 class RankBytes:
-    """Bytes one rank holds between steps (see [Note: cost of a layout])."""
+    """Bytes one rank holds between steps (see [Note: cost of a sharded optimizer])."""
 
     params: int
     grads: int
@@ -115,7 +115,7 @@ def _pieces_per_rank(plan: Plan) -> list[list[int]]:
     return out
 
 
-def layout_cost(
+def shard_cost(
     plan: Plan,
     *,
     stage: int = 1,
@@ -133,12 +133,12 @@ def layout_cost(
     ``algorithm`` is the concrete one (``"collective"`` or ``"exchange"``, as ``"auto"``
     resolves on the ranks' backend); ``state_dtype`` that of Adam's moments under core's
     ``with_state_dtype`` (None: the master's, else the parameters'); ``comm_dtype`` and
-    ``master_remainders`` are ``shard``'s. See [Note: cost of a layout].
+    ``master_remainders`` are ``shard``'s. See [Note: cost of a sharded optimizer].
 
     Example:
         >>> from shardopt.core import plan_partition
         >>> plan = plan_partition([((10, 10), "float32")], 4)
-        >>> ranks, traffic = layout_cost(plan, stage=2)
+        >>> ranks, traffic = shard_cost(plan, stage=2)
         >>> ranks[0], traffic.sent(4)
         (RankBytes(params=512, grads=128, optimizer=260, master=0, buffers=512), 768)
 
@@ -146,30 +146,30 @@ def layout_cost(
         bytes, and half the gradient bytes travel; a bfloat16 group's remainders cost 2 bytes
         per owned element:
 
-        >>> ranks, traffic = layout_cost(plan, stage=2, comm_dtype=torch.bfloat16)
+        >>> ranks, traffic = shard_cost(plan, stage=2, comm_dtype=torch.bfloat16)
         >>> ranks[0].buffers, traffic.reduce_scatter, traffic.all_gather
         (512, 256, 512)
         >>> bf16 = plan_partition([((10, 10), "bfloat16")], 4)
-        >>> [layout_cost(bf16, master_dtype=torch.float32, master_remainders=r)[0][0].master
+        >>> [shard_cost(bf16, master_dtype=torch.float32, master_remainders=r)[0][0].master
         ...  for r in (False, True)]
         [128, 64]
     """
     algo = Algorithm(algorithm)
     if algo is Algorithm.AUTO:
-        raise ValueError("layout_cost: expected algorithm 'collective' or 'exchange', got 'auto'")
+        raise ValueError("shard_cost: expected algorithm 'collective' or 'exchange', got 'auto'")
     if stage not in (1, 2) or (stage == 2 and grads_averaged):
         raise ValueError(
-            f"layout_cost: expected stage 1, or stage 2 without grads_averaged, got stage "
+            f"shard_cost: expected stage 1, or stage 2 without grads_averaged, got stage "
             f"{stage!r} with grads_averaged={grads_averaged!r}"
         )
     if comm_dtype is not None and grads_averaged:
         raise ValueError(
-            f"layout_cost: expected comm_dtype=None with grads_averaged=True (nothing is "
+            f"shard_cost: expected comm_dtype=None with grads_averaged=True (nothing is "
             f"reduced), got {comm_dtype!r}"
         )
     if master_remainders and master_dtype is not torch.float32:
         raise ValueError(
-            "layout_cost: expected master_dtype=torch.float32 with master_remainders=True, got "
+            "shard_cost: expected master_dtype=torch.float32 with master_remainders=True, got "
             f"master_dtype={master_dtype!r}"
         )
     reduces, widened = not grads_averaged, comm_dtype is not None
@@ -187,7 +187,7 @@ def layout_cost(
 
 @dataclass(frozen=True, slots=True)
 class _Dtypes:
-    """The dtypes (and the remainders option) of a layout's cost: ``layout_cost``'s."""
+    """The dtypes (and the remainders option) of a ParamBuffers' cost: ``shard_cost``'s."""
 
     master: torch.dtype | None
     reduce: torch.dtype | None

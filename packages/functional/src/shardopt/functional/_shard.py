@@ -32,6 +32,7 @@ from shardopt.functional.engine._mesh import (
     tensor_parallel,
 )
 from shardopt.functional.engine._param_buffers import ParamBuffers, build_param_buffers
+from shardopt.functional.engine._renamed import renamed_keyword
 from shardopt.functional.engine._scope import ShardReducer, meta_tree, shard_scope
 from shardopt.functional.engine._state import (
     ShardedState,
@@ -66,11 +67,12 @@ class ShardedTransformation(NamedTuple):
     step: Callable[[PyTree, PyTree | None, ShardedState], ShardedState]
 
 
+@renamed_keyword("shard", "group", "process_group")
 def shard(
     tx: Transformation,
     plan: Plan,
     *,
-    group: ProcessGroup = None,
+    process_group: ProcessGroup = None,
     stage: int = 1,
     grads_averaged: bool = False,
     master_dtype: torch.dtype | None = None,
@@ -82,7 +84,7 @@ def shard(
     master_remainders: bool = False,
     compile: bool | str = "auto",
 ) -> ShardedTransformation:
-    """Partitions ``tx`` over the ranks of ``group`` as ``plan`` says (ZeRO stage 1 or 2).
+    """Partitions ``tx`` over the ranks of ``process_group`` as ``plan`` says (ZeRO stage 1 or 2).
 
     ``init(params)`` (``params``: the plan's tensors, in its order, as any pytree) checks the
     input on every rank (see [Note: cross-rank validation]), moves the parameters into the flat
@@ -107,11 +109,12 @@ def shard(
     accumulation is described in [Note: gradient accumulation].
 
     Args:
-        tx: a core transformation (its flat fast path is used where it has one).
+        tx: a core transformation (its piece fast path is used where it has one).
         plan: from ``plan_partition(params, world_size)``, the same on every rank; its buckets
             are the units of every collective (``plan_partition(..., bucket_numel=...)``).
-        group: the process group (None: the default group), or a DeviceMesh: 1-D, or 2-D with
-            dims ("replicate", "shard") for hybrid sharding (see [Note: hybrid sharding]).
+        process_group: the process group (None: the default group), or a DeviceMesh: 1-D, or
+            2-D with dims ("replicate", "shard") for hybrid sharding (see [Note: hybrid
+            sharding]).
         stage: 1 (optimizer state sharded) or 2 (gradients too).
         grads_averaged: stage 1 only: the gradients given to ``step`` are already averaged
             over ranks (behind DDP); skip the reduction.
@@ -132,9 +135,9 @@ def shard(
             reconstructed exactly for each update (see [Note: master remainders]).
         compile: ``"auto"`` (default), ``True`` or ``False``: run the rank's update (the
             transformation's update and its apply, in place, master remainders joined and split
-            in the same region) as one ``torch.compile``d function per layout (inductor: C++
+            in the same region) as one ``torch.compile``d function per sharded state (inductor: C++
             on the CPU, Triton on CUDA). ``"auto"`` compiles where a compiler is available, the
-            transformation has no fused flat rule (a composed chain, not built-in ``adamw``)
+            transformation has no fused piece rule (a composed chain, not built-in ``adamw``)
             and the plan's largest shard holds at least ``AUTO_NUMEL`` (2**20) elements (the
             same answer on every rank), else runs eagerly;
             ``True`` compiles whatever the size; ``False`` never. The first step compiles
@@ -173,7 +176,7 @@ def shard(
         master_remainders,
         compile,
     )
-    groups = mesh_groups("shard", group)
+    groups = mesh_groups("shard", process_group)
 
     @fails_together("shard.init")
     def init(params: PyTree) -> ShardedState:
@@ -181,10 +184,10 @@ def shard(
         whole = meta_tree(params)  # masks and labels are resolved on these ([Note: kinds])
         state = _init(tx, plan, opts, groups, local_tensors(params), split, whole)
         leaves = tree_leaves(params)
-        tp = tensor_parallel(leaves, state.layout)
-        state.layout.set_places(tp, global_places(leaves))
+        tp = tensor_parallel(leaves, state.param_buffers)
+        state.param_buffers.set_places(tp, global_places(leaves))
         if tp is not None:  # [Note: reductions over tensor-parallel tensors]
-            state.layout.scope.reducer.set_tensor_parallel(tp.group, split)
+            state.param_buffers.scope.reducer.set_tensor_parallel(tp.group, split)
         return state
 
     def step(params: PyTree, grads: PyTree | None, state: ShardedState) -> ShardedState:
@@ -252,7 +255,7 @@ def _init(
     probed = _agreed_fields(tx, plan, opts, groups, params, split, tree)
     group = groups.shard
     rank, whole = dist.get_rank(group), needs_whole_tensors(tx)
-    layout = build_param_buffers(
+    param_buffers = build_param_buffers(
         plan,
         params,
         rank,
@@ -262,25 +265,25 @@ def _init(
         comm_dtype=opts.comm_dtype,
         replicate=groups.replicate if opts.reduces else None,
     )
-    layout.sync_params()
-    wanted = [opts.master_for(buf.dtype) for buf in layout.buffers]
-    master = build_masters(layout, wanted, opts.master_remainders)  # [Note: master weights]
+    param_buffers.sync_params()
+    wanted = [opts.master_for(buf.dtype) for buf in param_buffers.buffers]
+    master = build_masters(param_buffers, wanted, opts.master_remainders)  # [Note: master weights]
     fulls = master.fulls()  # float32 (a copy of a remainder group's, for init only)
-    shards = [m if m is not None else layout.copy_shard_out(g) for g, m in enumerate(fulls)]
-    views = layout.piece_views(shards)
-    presented = shaped(layout, views) if whole else views
-    reducer_ = ShardReducer(group, len(plan.tensors), layout.buffers[0].device)
-    pieces = [p.tensor for p in layout.pieces]  # see [Note: scopes of sharded updates]
-    starts = [p.start for p in layout.pieces]
-    layout.scope = shard_scope(tree, len(plan.tensors), pieces, starts, reducer_)
-    labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), layout, group)
-    with in_scope(layout.scope):
-        inner, fields, _ = flatten_state(tx.init(presented), layout, probed)
-    planned_update(tx, layout, opts.compile, whole)  # [Note: compiled updates]
+    shards = [m if m is not None else param_buffers.copy_shard_out(g) for g, m in enumerate(fulls)]
+    views = param_buffers.piece_views(shards)
+    presented = shaped(param_buffers, views) if whole else views
+    reducer_ = ShardReducer(group, len(plan.tensors), param_buffers.buffers[0].device)
+    pieces = [p.tensor for p in param_buffers.pieces]  # see [Note: scopes of sharded updates]
+    starts = [p.start for p in param_buffers.pieces]
+    param_buffers.scope = shard_scope(tree, len(plan.tensors), pieces, starts, reducer_)
+    labels = tensor_labels(tx, presented, _piece_dtypes(plan, opts), param_buffers, group)
+    with in_scope(param_buffers.scope):
+        inner, fields, _ = flatten_state(tx.init(presented), param_buffers, probed)
+    planned_update(tx, param_buffers, opts.compile, whole)  # [Note: compiled updates]
     reducer = None
     if opts.reduces:
-        reducer = GradReducer(layout, free_grads=opts.stage is Stage.GRADIENTS)
-    return ShardedState(inner, fields, layout, master, reducer, None, labels)
+        reducer = GradReducer(param_buffers, free_grads=opts.stage is Stage.GRADIENTS)
+    return ShardedState(inner, fields, param_buffers, master, reducer, None, labels)
 
 
 # [Note: whole matrices]
@@ -310,11 +313,11 @@ def _step(
     grads: PyTree | None,
     state: ShardedState,
 ) -> ShardedState:
-    layout: ParamBuffers = state.layout
-    problem = layout.check_views(local_tensors(params))
+    param_buffers: ParamBuffers = state.param_buffers
+    problem = param_buffers.check_views(local_tensors(params))
     if problem is not None:
         raise ValueError(f"shard: expected {problem}")
-    layout.wait_params()  # the update writes the shards the last gathers send
+    param_buffers.wait_params()  # the update writes the shards the last gathers send
     error, present, piece_grads = _reduced_grads(opts, params, grads, state)
     stats = None
     if opts.needs_health:
@@ -328,8 +331,8 @@ def _step(
             coef = clip_coefficient(health.norm, opts.max_norm)
             in_place = opts.stage is Stage.GRADIENTS
             piece_grads = scale_grads(piece_grads, coef, in_place=in_place)
-    piece_grads = _to_update_dtype(piece_grads, layout, state.master)
-    update_and_sync(tx, state.inner, layout, piece_grads, state.master)
+    piece_grads = _to_update_dtype(piece_grads, param_buffers, state.master)
+    update_and_sync(tx, state.inner, param_buffers, piece_grads, state.master)
     return state._replace(stats=stats)
 
 
@@ -342,8 +345,8 @@ def _checked_health(
 ) -> Health:
     """The step's small all-reduce; raises on every rank if any rank had a bad gradient."""
     if present is not None:  # stage 2: the shards hold zeros where no rank had a gradient
-        grads = list(state.layout.piece_views(state.reducer.shards))
-    split = state.layout.tensor_parallel
+        grads = list(state.param_buffers.piece_views(state.reducer.shards))
+    split = state.param_buffers.tensor_parallel
     health = global_health(grads, error is not None, present, group=group, split=split)
     if error is not None:
         raise ValueError(f"shard: expected {error}")
@@ -357,8 +360,8 @@ def _checked_health(
 
 def _present_views(state: ShardedState, present: Sequence[bool]) -> list[torch.Tensor | None]:
     """This rank's gradient shard of each of its pieces, None where ``present`` says none."""
-    views = state.layout.piece_views(state.reducer.shards)
-    return [v if present[p.tensor] else None for v, p in zip(views, state.layout.pieces)]
+    views = state.param_buffers.piece_views(state.reducer.shards)
+    return [v if present[p.tensor] else None for v, p in zip(views, state.param_buffers.pieces)]
 
 
 def _reduced_grads(
@@ -366,7 +369,7 @@ def _reduced_grads(
 ) -> tuple[str | None, list[bool] | None, list[torch.Tensor | None]]:
     """(the local gradient error or None, in stage 2 which tensors had a gradient here, this
     rank's gradient of each of its pieces)."""
-    layout: ParamBuffers = state.layout
+    param_buffers: ParamBuffers = state.param_buffers
     reducer: GradReducer | None = state.reducer
     hooked = reducer is not None and reducer.hooked
     error = None
@@ -382,7 +385,7 @@ def _reduced_grads(
             "shard: expected grads=None in step when gradient hooks are registered, got grads"
         )
     if reducer is None:
-        return error, None, layout.grad_views(full)
+        return error, None, param_buffers.grad_views(full)
     present = reducer.finish() if hooked else reducer.reduce(full)
     if reducer.free_grads and grads is None and error is None:  # see [Note: one loop contract]
         for p in params:
@@ -391,14 +394,14 @@ def _reduced_grads(
 
 
 def _to_update_dtype(
-    grads: list[torch.Tensor | None], layout: ParamBuffers, master: Masters
+    grads: list[torch.Tensor | None], param_buffers: ParamBuffers, master: Masters
 ) -> list[torch.Tensor | None]:
     """The gradients in the dtype of what they update: master weights, else the parameters."""
-    dtypes = [master.dtype(g) or buf.dtype for g, buf in enumerate(layout.buffers)]
-    if all(g is None or g.dtype == dtypes[p.group] for g, p in zip(grads, layout.pieces)):
+    dtypes = [master.dtype(g) or buf.dtype for g, buf in enumerate(param_buffers.buffers)]
+    if all(g is None or g.dtype == dtypes[p.group] for g, p in zip(grads, param_buffers.pieces)):
         return grads  # the usual case: nothing to convert
     out = []
-    for g, piece in zip(grads, layout.pieces):
+    for g, piece in zip(grads, param_buffers.pieces):
         dtype = dtypes[piece.group]
         out.append(g if g is None or g.dtype == dtype else g.to(dtype))
     return out

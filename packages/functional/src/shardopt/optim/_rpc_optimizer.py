@@ -11,7 +11,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-from shardopt.core import Transformation, update_flat_
+from shardopt.core import Transformation, update_pieces_
 from shardopt.core.blocks import needs_whole_tensors, update_whole_
 from shardopt.optim._core_mapping import LocalOptimizerSpec, plan_local_optimizer
 
@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 # so that steps arriving on RPC threads do not contend for the GIL in Python optimizer code. Here
 # the caller maps the torch.optim class and its arguments to a shardopt.core factory with the same
 # hyperparameters (``plan_local_optimizer``); each worker builds the transformation once, keeps its
-# state, and steps its parameters in place with ``update_flat_`` (torch's foreach/fused kernels
-# where the factory registered a flat rule; ``update_whole_`` for Muon and Adafactor, which need
+# state, and steps its parameters in place with ``update_pieces_`` (torch's foreach/fused kernels
+# where the factory registered a piece rule; ``update_whole_`` for Muon and Adafactor, which need
 # each parameter whole, as a worker holds them). A class without a core counterpart, a subclass (it
 # may override ``step``) or a hyperparameter the factory lacks falls back to instantiating the
 # torch.optim class on the worker, with the gradients of the context assigned to ``.grad``.
@@ -60,7 +60,7 @@ class _LocalOptimizer:
                     with torch.no_grad():
                         update_whole_(self.tx, self.params, grads, self.state)
                 else:
-                    update_flat_(self.tx, self.params, grads, self.state)
+                    update_pieces_(self.tx, self.params, grads, self.state)
                 return
             assert self.optim is not None
             for p, g in zip(self.params, grads):

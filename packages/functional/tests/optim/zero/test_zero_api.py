@@ -431,8 +431,8 @@ def test_param_hooks_defer_the_sync_to_the_next_forward_and_train_like_torch(
         parameters_as_bucket_view=view,
         partition=partition,
     )
-    for layout in zero._layouts():  # several buckets would need a smaller plan; one suffices
-        assert layout.deferred == 0
+    for buffers in zero._view_buffers():  # several buckets would need a smaller plan; one suffices
+        assert buffers.deferred == 0
     hooks = zero.register_param_hooks(model)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
     for step in range(4):
@@ -440,7 +440,7 @@ def test_param_hooks_defer_the_sync_to_the_next_forward_and_train_like_torch(
         zero.zero_grad()
         ddp(x[world.rank * 4 : (world.rank + 1) * 4]).pow(2).mean().backward()
         zero.step()
-        assert any(layout.params_pending for layout in zero._layouts())  # left in flight
+        assert any(b.params_pending for b in zero._view_buffers())  # left in flight
         ref_opt.zero_grad()
         ref(x).pow(2).mean().backward()
         ref_opt.step()
@@ -449,7 +449,7 @@ def test_param_hooks_defer_the_sync_to_the_next_forward_and_train_like_torch(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for h in hooks:
         h.remove()
-    assert not any(layout.deferred for layout in zero._layouts())
+    assert not any(b.deferred for b in zero._view_buffers())
 
 
 @pytest.mark.world(1, backend="gloo", timeout=60)

@@ -17,7 +17,7 @@ NEEDS_MUON = requires_torch("2.9", "torch.optim.Muon and Adafactor")
 STEPS = 20
 RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 
-# name: (torch class, kwargs for both). SGD is bitwise: on CPU shardopt.core's flat rule applies
+# name: (torch class, kwargs for both). SGD is bitwise: on CPU shardopt.core's piece rule applies
 # the ops of torch's default SGD in the same order, on any split of a tensor (see [Note: SGD on
 # CPU is foreach] in shardopt.core._fused).
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -136,8 +136,8 @@ def test_mixed_dtypes_train_like_torch_optim_with_one_flat_group_per_dtype(
             partition="flat",
             allow_mixed_dtypes=True,
         )
-        layout = o.optim.units()[0].state.layout
-        assert [b.dtype for b in layout.buffers] == [torch.float32, torch.float64]
+        param_buffers = o.optim.units()[0].state.param_buffers
+        assert [b.dtype for b in param_buffers.buffers] == [torch.float32, torch.float64]
         return
     ref_model, model = build_model(mixed=True), build_model(mixed=True)
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
@@ -151,8 +151,8 @@ def test_mixed_dtypes_train_like_torch_optim_with_one_flat_group_per_dtype(
             o.step()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)  # the same torch.optim.Adam, on each owner
-    assert ours._backend.sync_layout is not None  # the staged storage: no bucket views
-    assert len(ours._backend.sync_layout.plan.groups) == 2  # float32 and float64: one each
+    assert ours._backend.param_buffers is not None  # the staged storage: no bucket views
+    assert len(ours._backend.param_buffers.plan.groups) == 2  # float32 and float64: one each
 
 
 @pytest.mark.world(2, backend="gloo", timeout=120)
@@ -198,12 +198,11 @@ def test_flat_state_is_split_exactly_and_readable_through_optim(world: World, n:
     shard = bucket.shards[0]
     assert [g.item() for g in gathered] == [min(shard, max(total - r * shard, 0)) for r in range(n)]
     fields = ours.optim.units()[0].state.fields
-    assert {b.numel() for f in fields if f.kind.value == "elementwise" for b in f.buffers} == {
-        shard
-    }
+    elementwise = [f for f in fields if f.granularity.value == "elementwise"]
+    assert {b.numel() for f in elementwise for b in f.buffers} == {shard}
     state = ours.optim.state
     frozen = {id(p) for p in model[3].parameters()}
-    for piece, unit_piece in zip(pieces, ours.optim.units()[0].state.layout.pieces):
+    for piece, unit_piece in zip(pieces, ours.optim.units()[0].state.param_buffers.pieces):
         trained = id(ours.optim.units()[0].params[unit_piece.tensor]) not in frozen
         assert (piece in state) == trained
         if trained:
@@ -347,7 +346,7 @@ def test_muon_and_adafactor_match_torch_optim_with_torchs_state_dict(world: Worl
         problems += found
         (unit,) = ours.optim.units()
         assert unit.plan.owners is not None  # a greedy plan: whole tensors
-        for piece, where in zip(unit.pieces, unit.state.layout.pieces):
+        for piece, where in zip(unit.pieces, unit.state.param_buffers.pieces):
             trained = unit.params[where.tensor].requires_grad
             assert (piece in ours.optim.state) == trained
             if trained:  # torch's entry of the parameter, in its shapes

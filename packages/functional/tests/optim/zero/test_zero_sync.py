@@ -90,15 +90,17 @@ def sync_case(
     world = dist.get_world_size()
     plan = plan_partition(params, world, strategy="greedy", bucket_numel=bucket_numel)
     ptrs = [p.data_ptr() for p in params]
-    storage = "flat" if view else "staged"
+    storage = "views" if view else "staged"
     with torch.no_grad():  # the buffers are filled from the parameters as they are
-        layout = build_param_buffers(plan, params, rank, algorithm=algorithm, storage=storage)
+        param_buffers = build_param_buffers(
+            plan, params, rank, algorithm=algorithm, storage=storage
+        )
     with recording() as calls:
-        layout.sync_params()
+        param_buffers.sync_params()
     assert plan.owners is not None
     right = all(torch.all(p == plan.owners[t] + 1) for t, p in enumerate(params))
     kept = [p.data_ptr() for p in params] == ptrs
-    return right, kept, calls, None if view else layout._storage
+    return right, kept, calls, None if view else param_buffers._storage
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -61,7 +61,7 @@ def average_gradients(parameters: Iterable[torch.Tensor], world: World) -> None:
     params = list(parameters)
     has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int64)
     counts = has_grad.to(world.device)
-    dist.all_reduce(counts, group=world.group)
+    dist.all_reduce(counts, group=world.process_group)
     uneven = [i for i, n in enumerate(counts.tolist()) if 0 < n < world.world_size]
     if uneven:
         raise RuntimeError(
@@ -76,7 +76,7 @@ def average_gradients(parameters: Iterable[torch.Tensor], world: World) -> None:
             by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=world.group)
+        dist.all_reduce(flat, group=world.process_group)
         flat.div_(world.world_size)
         for grad, averaged in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(averaged.view_as(grad))
@@ -176,7 +176,7 @@ def _build_zero(
     world: World,
 ) -> _ZeroCandidate:
     optimizer = zero_redundancy_optimizer_class()(
-        list(model.parameters()), optimizer_class, process_group=world.group, **kwargs
+        list(model.parameters()), optimizer_class, process_group=world.process_group, **kwargs
     )
     return _ZeroCandidate(optimizer, world)
 

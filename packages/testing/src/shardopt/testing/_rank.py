@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shardopt.testing._modules import ModuleSource, loads_with_sources
 from shardopt.testing._world import Backend, World, set_current_world
 
-__all__ = ["STACK_SIGNAL", "RankReport", "RankSpec", "StoreKind", "run_rank"]
+__all__ = ["STACK_SIGNAL", "RankReport", "RankSpec", "StoreType", "run_rank"]
 
 # Sent by the parent to a rank that missed the deadline: faulthandler dumps its Python stacks.
 STACK_SIGNAL = signal.SIGUSR1
@@ -35,7 +35,7 @@ _ORPHANED_EXIT_CODE = 75
 _GROUP_TIMEOUT_MARGIN_S = 30.0
 
 
-class StoreKind(enum.Enum):
+class StoreType(enum.Enum):
     """How the ranks rendezvous: a FileStore in the world's temp dir or the parent's TCPStore."""
 
     FILE = "file"
@@ -49,7 +49,7 @@ class RankSpec:
     rank: int
     world_size: int
     backend: Backend
-    store_kind: StoreKind
+    store_type: StoreType
     store_path: str  # FileStore file (FILE)
     store_port: int  # parent's TCPStore port on 127.0.0.1 (TCP)
     timeout: float
@@ -155,7 +155,7 @@ def _dumps_result(value: Any, rank: int) -> bytes:
 def _join_group(spec: RankSpec) -> World:
     timeout = datetime.timedelta(seconds=spec.timeout + _GROUP_TIMEOUT_MARGIN_S)
     store: dist.Store
-    if spec.store_kind is StoreKind.FILE:
+    if spec.store_type is StoreType.FILE:
         store = dist.FileStore(spec.store_path, spec.world_size)
     else:
         store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, False, timeout=timeout)

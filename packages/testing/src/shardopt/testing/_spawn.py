@@ -25,7 +25,7 @@ from shardopt.testing._processes import (
     start,
     stop,
 )
-from shardopt.testing._rank import RankSpec, StoreKind
+from shardopt.testing._rank import RankSpec, StoreType
 from shardopt.testing._world import Backend, resolve_backend
 
 __all__ = ["spawn"]
@@ -86,7 +86,7 @@ def spawn(
     """
     _check_arguments(fn, world_size, timeout, num_threads, env)
     chosen = resolve_backend(backend, world_size)
-    store_kind = _store_kind(init_store)
+    store_type = _store_type(init_store)
     try:
         payload, sources = dumps_with_sources((fn, args))
     except Exception as exc:
@@ -95,7 +95,7 @@ def spawn(
             f"functools.partial of one, and picklable arguments); pickling {fn!r} failed: {exc}"
         ) from exc
     environ = {**os.environ, "OMP_NUM_THREADS": str(num_threads), **(env or {})}
-    with _Rendezvous(store_kind, timeout) as rendezvous:
+    with _Rendezvous(store_type, timeout) as rendezvous:
         specs = [
             rendezvous.spec(rank, world_size, chosen, num_threads, environ, payload, sources)
             for rank in range(world_size)
@@ -121,9 +121,9 @@ def _check_arguments(
         raise TypeError(f"spawn: expected env to map str to str, got {env!r}")
 
 
-def _store_kind(init_store: str) -> StoreKind:
+def _store_type(init_store: str) -> StoreType:
     try:
-        return StoreKind(init_store)
+        return StoreType(init_store)
     except ValueError:
         raise ValueError(
             f"spawn: expected init_store in ('file', 'tcp'), got {init_store!r}"
@@ -133,8 +133,8 @@ def _store_kind(init_store: str) -> StoreKind:
 class _Rendezvous:
     """The world's temp dir (store file, logs, stacks) and, for TCP, the parent's TCPStore."""
 
-    def __init__(self, kind: StoreKind, timeout: float) -> None:
-        self.kind = kind
+    def __init__(self, kind: StoreType, timeout: float) -> None:
+        self.store_type = kind
         self.timeout = timeout
         self.directory = ""
         self.port = 0
@@ -142,7 +142,7 @@ class _Rendezvous:
 
     def __enter__(self) -> _Rendezvous:
         self.directory = tempfile.mkdtemp(prefix="shardopt-world-")
-        if self.kind is StoreKind.TCP:
+        if self.store_type is StoreType.TCP:
             # Port 0: the system picks a free port, so worlds side by side never collide.
             self._store = dist.TCPStore(
                 "127.0.0.1",
@@ -173,7 +173,7 @@ class _Rendezvous:
             rank=rank,
             world_size=world_size,
             backend=backend,
-            store_kind=self.kind,
+            store_type=self.store_type,
             store_path=os.path.join(self.directory, "store"),
             store_port=self.port,
             timeout=self.timeout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -27,14 +28,15 @@ class World:
         world_size: number of ranks.
         backend: the process group's backend.
         device: where this rank's tensors live: ``cpu`` for gloo, ``cuda:<rank>`` for NCCL.
-        group: the default (world) process group.
+        process_group: the default (world) process group (``group`` before issue 39: still
+            read, with a FutureWarning).
     """
 
     rank: int
     world_size: int
     backend: Backend
     device: torch.device
-    group: dist.ProcessGroup
+    process_group: dist.ProcessGroup
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -42,6 +44,17 @@ class World:
                 f"World: expected 0 <= rank < world_size, got rank={self.rank}, "
                 f"world_size={self.world_size}"
             )
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """Renamed :attr:`process_group` (one meaning per word); warns."""
+        warnings.warn(
+            "World.group is renamed World.process_group (one meaning per word: see the glossary "
+            "of the docs); the old name will be removed in a later release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.process_group
 
     def __repr__(self) -> str:
         return (

@@ -59,7 +59,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture
 def world(request: pytest.FixtureRequest) -> World | None:
-    """The rank's World (rank, world_size, backend, device, group) in a ``world`` test."""
+    """The rank's World (rank, world_size, backend, device, process_group) in a ``world`` test."""
     if request.node.get_closest_marker("world") is None:
         pytest.fail(
             f"{request.node.nodeid}: the world fixture needs @pytest.mark.world(n) on the test",

@@ -23,17 +23,17 @@ KWARGS: dict[str, dict[str, Any]] = {  # torch's defaults, except where they wou
 }
 
 # [Note: optimizer tolerances]
-# Relative to each tensor's largest magnitude, worst over tensors, after 10 steps. shardopt's
-# flat path runs torch's fused kernels (Adam, AdamW, SGD, Adagrad) or core's pure rule, torch.optim
-# on CUDA its foreach kernels by default: the same formula in another order of operations (and
-# FMA contractions), a few float32 roundings (~1e-7 relative) a step apart. 1e-5 leaves a 10x
-# margin over 10 steps, while a wrong rule (bias correction, weight decay, eps placement) is off by
-# 1e-4 or more at these learning rates. Muon's Newton–Schulz iteration runs in bfloat16 in both
+# Relative to each tensor's largest magnitude, worst over tensors, after 10 steps. shardopt's piece
+# fast path runs torch's fused kernels (Adam, AdamW, SGD, Adagrad) or core's pure rule, torch.optim
+# on CUDA its foreach kernels by default: the same formula in another order of operations (and FMA
+# contractions), a few float32 roundings (~1e-7 relative) a step apart. 1e-5 leaves a 10x margin
+# over 10 steps, while a wrong rule (bias correction, weight decay, eps placement) is off by 1e-4 or
+# more at these learning rates. Muon's Newton–Schulz iteration runs in bfloat16 in both
 # (torch.optim.Muon casts to bfloat16): one bfloat16 rounding (2**-8) of an orthogonalised entry
 # moves a parameter by lr * 2**-8 * |entry|, so Muon gets 1e-3. bfloat16 parameters with float32
-# masters: the masters are held to the float32 tolerance against torch.optim on float32 copies
-# (the same bfloat16-valued gradients), and the bfloat16 parameters, which are the masters
-# rounded, to one bfloat16 rounding, 2**-8.
+# masters: the masters are held to the float32 tolerance against torch.optim on float32 copies (the
+# same bfloat16-valued gradients), and the bfloat16 parameters, which are the masters rounded, to
+# one bfloat16 rounding, 2**-8.
 TOLERANCE = {"float32": 1e-5, "Muon": 1e-3, "bfloat16 params": 2.0**-8}
 
 
@@ -63,7 +63,7 @@ def _master_error(state: Any, ref: list[torch.Tensor]) -> float:
         rel_error(
             m[p.offset : p.offset + p.numel], ref[p.tensor].detach().view(-1)[p.start : p.stop]
         )
-        for p in state.layout.pieces
+        for p in state.param_buffers.pieces
         if (m := state.master.full(p.group)) is not None
     ]
     return max(errors, default=float("nan"))

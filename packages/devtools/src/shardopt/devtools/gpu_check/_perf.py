@@ -160,7 +160,7 @@ def _adamw_seconds(numel: int, device: torch.device) -> tuple[float, float]:
 
 def _timed_adamw(numel: int, device: torch.device) -> tuple[float, float]:
     """(seconds per call back to back, seconds of one call from an idle device)."""
-    from shardopt.core import adamw, update_flat_
+    from shardopt.core import adamw, update_pieces_
 
     tx = adamw(lr=1e-3)
     param = torch.rand(numel, device=device)
@@ -169,7 +169,7 @@ def _timed_adamw(numel: int, device: torch.device) -> tuple[float, float]:
     repeats = 10 if numel >= 500_000_000 else 20
 
     def step() -> None:
-        update_flat_(tx, [param], [grad], state)
+        update_pieces_(tx, [param], [grad], state)
 
     return median(cuda_times(step, 3, repeats, CALLS)), median(cuda_times(step, 0, repeats))
 
@@ -198,7 +198,7 @@ def _bandwidth_item(numel: int, device: torch.device, copy: tuple[int, float]) -
 
 
 def check_bandwidth(device: torch.device) -> list[Item]:
-    """Item e: bytes per second of update_flat_(adamw) over SIZES, against a 1 GiB copy, both
+    """Item e: bytes per second of update_pieces_(adamw) over SIZES, against a 1 GiB copy, both
     timed back to back (see [Note: device throughput])."""
     skipped = needs_cuda("e/fused AdamW bandwidth", device)
     if skipped is not None:

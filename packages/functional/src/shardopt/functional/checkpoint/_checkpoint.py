@@ -83,14 +83,14 @@ def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
         (['[0].count', '[0].mu', '[0].nu'], tensor([1., 0.]))
         >>> dist.destroy_process_group()
     """
-    layout = state.layout
-    layout.wait_params()  # [Note: deferred parameter sync]
+    param_buffers = state.param_buffers
+    param_buffers.wait_params()  # [Note: deferred parameter sync]
     return {
         "format": SHARDED_FORMAT,
-        "plan": layout.plan.to_dict(),
-        "rank": layout.rank,
+        "plan": param_buffers.plan.to_dict(),
+        "rank": param_buffers.rank,
         "fields": {
-            f.path: {"kind": f.kind.value, "buffers": list(f.buffers)} for f in state.fields
+            f.path: {"kind": f.granularity.value, "buffers": list(f.buffers)} for f in state.fields
         },
         "master": list(state.master.fulls()),  # float32 ([Note: master remainders]: copies)
         "replicated": {path: t for path, t, _ in outside_tensors(state)},
@@ -147,19 +147,20 @@ def _check_sharded(
     if not isinstance(sd, Mapping) or sd.get("format") != SHARDED_FORMAT:
         got = sd.get("format") if isinstance(sd, Mapping) else type(sd).__name__
         raise ValueError(f"{api}: expected a dict of format {SHARDED_FORMAT!r}, got {got!r}")
-    layout = state.layout
+    param_buffers = state.param_buffers
     try:
         plan = Plan.from_dict(sd["plan"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{api}: expected a valid plan in the state dict, got: {exc}") from None
-    if plan != layout.plan:
+    if plan != param_buffers.plan:
         raise ValueError(
-            f"{api}: expected the state dict of the same plan ({layout.plan!r}), got {plan!r}; "
-            "use load_checkpoint or load_torch_state_dict to change plans"
+            f"{api}: expected the state dict of the same plan ({param_buffers.plan!r}), got "
+            f"{plan!r}; use load_checkpoint or load_torch_state_dict to change plans"
         )
-    if sd.get("rank") != layout.rank:
+    if sd.get("rank") != param_buffers.rank:
         raise ValueError(
-            f"{api}: expected the state dict of rank {layout.rank}, got rank {sd.get('rank')!r}"
+            f"{api}: expected the state dict of rank {param_buffers.rank}, got rank "
+            f"{sd.get('rank')!r}"
         )
     fields = sd.get("fields")
     mine = {f.path: f for f in state.fields}
@@ -169,9 +170,9 @@ def _check_sharded(
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for path, field in mine.items():
         entry = fields[path]
-        if entry.get("kind") != field.kind.value:
+        if entry.get("kind") != field.granularity.value:
             raise ValueError(
-                f"{api}: expected field {path} of kind {field.kind.value}, "
+                f"{api}: expected field {path} of kind {field.granularity.value}, "
                 f"got {entry.get('kind')!r}"
             )
         pairs += _tensor_pairs(api, f"fields[{path!r}]", field.buffers, entry.get("buffers"))

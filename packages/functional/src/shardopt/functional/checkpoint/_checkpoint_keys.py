@@ -14,7 +14,7 @@ from shardopt.core import Transformation
 from shardopt.core.blocks import TORCH_COMPAT
 from shardopt.functional.engine._param_buffers import ParamBuffers
 from shardopt.functional.engine._state import (
-    FieldKind,
+    FieldGranularity,
     ShardedState,
     StateField,
     piece_list_pred,
@@ -94,7 +94,7 @@ class ListField(NamedTuple):
     (None for a piece of another label); ``dtypes[g]`` its dtype in plan group g."""
 
     path: str
-    kind: FieldKind
+    granularity: FieldGranularity
     tensors: tuple[torch.Tensor | None, ...]
     dtypes: tuple[torch.dtype, ...]
 
@@ -223,7 +223,7 @@ def keys_of(keysets: Sequence[FieldKeys], t: int) -> FieldKeys | None:
 
 
 def _label_keys(state: ShardedState, api: str, label: Hashable, torch_only: bool) -> FieldKeys:
-    labels, pieces = state.labels, state.layout.pieces
+    labels, pieces = state.labels, state.param_buffers.pieces
     assert labels is not None
     sub = state.inner.inner_states[label]
     mine = [k for k, p in enumerate(pieces) if labels.of_tensor[p.tensor] == label]
@@ -297,7 +297,7 @@ def _no_other_lists(api: str, label: Hashable, lists: dict[str, Any], keys: Fiel
 
 def _piece_lists(state: ShardedState) -> dict[str, tuple[torch.Tensor | None, ...]]:
     """The per-piece lists of ``state.inner`` (one tensor or None per piece), by path."""
-    is_list = piece_list_pred(len(state.layout.pieces))
+    is_list = piece_list_pred(len(state.param_buffers.pieces))
     leaves = pytree.tree_flatten_with_path(state.inner, is_leaf=is_list)[0]
     return {pytree.keystr(p): tuple(x) for p, x in leaves if is_list(x)}
 
@@ -319,7 +319,7 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
     of the label, so they differ between ranks). Injected hyperparameters are not state (see
     [Note: hyperparameters of a sharded state])."""
     paths = {f.path for f in state.fields}
-    is_field = piece_list_pred(len(state.layout.pieces))
+    is_field = piece_list_pred(len(state.param_buffers.pieces))
     out = []
     inner = without_hyperparams(state.inner)
     for path, leaf in pytree.tree_flatten_with_path(inner, is_leaf=is_field)[0]:
@@ -333,7 +333,9 @@ def outside_tensors(state: ShardedState) -> list[tuple[str, torch.Tensor, bool]]
     return out
 
 
-def piece_value(field: Field, layout: ParamBuffers, k: int, slots: Sequence[int]) -> torch.Tensor:
+def piece_value(
+    field: Field, param_buffers: ParamBuffers, k: int, slots: Sequence[int]
+) -> torch.Tensor:
     """The value of ``field`` for piece ``k``: a 1-D view (ELEMENTWISE) or a 0-d view.
 
     Example:
@@ -341,19 +343,19 @@ def piece_value(field: Field, layout: ParamBuffers, k: int, slots: Sequence[int]
         >>> from shardopt.core import plan_partition
         >>> from shardopt.functional.engine._param_buffers import build_param_buffers
         >>> params = [torch.ones(3), torch.ones(2)]
-        >>> layout = build_param_buffers(plan_partition(params, 1, align=1), params, 0)
-        >>> mu = StateField("[0].mu", FieldKind.ELEMENTWISE, (torch.arange(5.0),))
-        >>> piece_value(mu, layout, 1, piece_slots(layout))
+        >>> buffers = build_param_buffers(plan_partition(params, 1, align=1), params, 0)
+        >>> mu = StateField("[0].mu", FieldGranularity.ELEMENTWISE, (torch.arange(5.0),))
+        >>> piece_value(mu, buffers, 1, piece_slots(buffers))
         tensor([3., 4.])
     """
     if isinstance(field, ListField):
         value = field.tensors[k]
         if value is None:
             raise ValueError(f"piece_value: piece {k} has no value of {field.path}")
-        return value.view(()) if field.kind is FieldKind.PER_PIECE else value.view(-1)
-    piece = layout.pieces[k]
+        return value.view(()) if field.granularity is FieldGranularity.PER_PIECE else value.view(-1)
+    piece = param_buffers.pieces[k]
     buf = field.buffers[piece.group]
-    if field.kind is FieldKind.ELEMENTWISE:
+    if field.granularity is FieldGranularity.ELEMENTWISE:
         return buf[piece.offset : piece.offset + piece.numel]
     return buf[slots[k]]
 

@@ -18,7 +18,7 @@ from shardopt.functional.checkpoint._checkpoint_keys import (
 )
 from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._rooted import gather_to
-from shardopt.functional.engine._state import FieldKind, ShardedState
+from shardopt.functional.engine._state import FieldGranularity, ShardedState
 
 __all__ = [
     "empty_entries",
@@ -34,7 +34,7 @@ __all__ = [
 # Rank ``to`` must end up holding the S bytes of the result; the aim is to hold little besides. It
 # allocates every entry first (each tensor contiguous, with a storage of its own), then fills the
 # ELEMENTWISE ones one field of one plan group at a time. Rank r's field buffer of a group is its
-# compact shard (``shard_numels[r]`` elements, [Note: flat storage]), and ``Plan.pieces(r)`` says
+# compact shard (``shard_numels[r]`` elements, [Note: buffer storage]), and ``Plan.pieces(r)`` says
 # which entry each of its elements belongs to (padding belongs to none). Shards travel in windows of
 # 1 / (2 W) of the group's largest shard: each of 2 W gathers brings one window of every rank's
 # shard into a staging buffer of W windows (half a shard), whose rows are copied into the entries. A
@@ -116,7 +116,7 @@ def empty_entries(
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Rank ``to``'s entry of every plan tensor that has one: PER_PIECE values set, ELEMENTWISE
     and shaped tensors allocated on ``device`` (for the gathers to fill)."""
-    plan = state.layout.plan
+    plan = state.param_buffers.plan
     where = tensor_locations(plan)
     out: dict[int, dict[str, torch.Tensor]] = {}
     for t, spec in enumerate(plan.tensors):
@@ -129,7 +129,7 @@ def empty_entries(
             if not in_torch:
                 continue
             dtype = field.dtypes[g] if isinstance(field, ListField) else field.buffers[g].dtype
-            if field.kind is FieldKind.PER_PIECE:
+            if field.granularity is FieldGranularity.PER_PIECE:
                 entry[key] = scalars[field.path][t].to(dtype, copy=True)
             else:
                 entry[key] = torch.empty(spec.shape, dtype=dtype, device=device)
@@ -149,9 +149,9 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def shaped_dtypes(api: str, keys: FieldKeys, state: ShardedState) -> torch.Tensor:
     """(shaped states x plan tensors): the dtype code of each tensor's shaped state on this rank,
     -1 where it has none here; checks each against its expected shape (local)."""
-    plan = state.layout.plan
+    plan = state.param_buffers.plan
     codes = torch.full((len(keys.shaped), len(plan.tensors)), -1, dtype=torch.int64)
-    for k, piece in enumerate(state.layout.pieces):
+    for k, piece in enumerate(state.param_buffers.pieces):
         spec = plan.tensors[piece.tensor]
         shapes = keys.shapes(spec.shape, torch.float32) if keys.shaped else {}
         for i, shaped in enumerate(keys.shaped):
@@ -185,7 +185,7 @@ def gather_shaped(
     """Fills the shaped tensors of ``entries`` (rank ``to``'s; None elsewhere) from their owners:
     per shaped state and dtype, each rank's tensors end to end, by the windowed gathers of
     [Note: consolidation by gathers] (their sizes known everywhere from ``codes``)."""
-    plan = state.layout.plan
+    plan = state.param_buffers.plan
     owned = [plan.pieces(r) for r in range(plan.world_size)]
     shapes = [keys.shapes(spec.shape, torch.float32) for spec in plan.tensors]
     targets = entries if entries is not None else {}
@@ -198,7 +198,7 @@ def gather_shaped(
                 continue
             local = [
                 t.reshape(-1)
-                for t, p in zip(shaped.tensors, state.layout.pieces)
+                for t, p in zip(shaped.tensors, state.param_buffers.pieces)
                 if t is not None and codes[i, p.tensor] == c
             ]
             buf = torch.cat(local) if local else torch.empty(0, dtype=dtype)
@@ -224,8 +224,12 @@ def gather_elementwise(
 ) -> None:
     """Fills the ELEMENTWISE tensors of ``entries`` (rank ``to``'s; None elsewhere) from every
     rank's field shards, one field of one plan group at a time."""
-    plan = state.layout.plan
-    fields = [(f, key) for f, key, t in keys.entries if t and f.kind is FieldKind.ELEMENTWISE]
+    plan = state.param_buffers.plan
+    fields = [
+        (f, key)
+        for f, key, t in keys.entries
+        if t and f.granularity is FieldGranularity.ELEMENTWISE
+    ]
     targets = entries if entries is not None else {}
     listed = any(isinstance(f, ListField) for f, _ in fields)  # their sizes: every rank's
     needed = entries is not None or listed
@@ -257,7 +261,7 @@ def _gather_listed(
     numel = max(sum(p.numel for p in run) for run in runs)
     local = [
         v.reshape(-1)
-        for v, p in zip(field.tensors, state.layout.pieces)
+        for v, p in zip(field.tensors, state.param_buffers.pieces)
         if v is not None and p.group == g
     ]
     buf = torch.cat(local) if local else torch.empty(0, dtype=field.dtypes[g])
@@ -296,16 +300,16 @@ def gather_scalars(
     state: ShardedState, keys: FieldKeys, to: int, group: ProcessGroup
 ) -> dict[str, torch.Tensor]:
     """On ``to``: each PER_PIECE field's value per plan tensor, from the rank owning its start."""
-    layout, plan = state.layout, state.layout.plan
-    fields = [f for f, _, _ in keys.entries if f.kind is FieldKind.PER_PIECE]
+    param_buffers, plan = state.param_buffers, state.param_buffers.plan
+    fields = [f for f, _, _ in keys.entries if f.granularity is FieldGranularity.PER_PIECE]
     if not fields:
         return {}
     rows = torch.zeros(len(fields), len(plan.tensors), dtype=torch.float64)
-    slots = piece_slots(layout)
-    for k, piece in enumerate(layout.pieces):
+    slots = piece_slots(param_buffers)
+    for k, piece in enumerate(param_buffers.pieces):
         if piece.start == 0 and keys.covers(piece.tensor):
             for i, f in enumerate(fields):
-                rows[i, piece.tensor] = piece_value(f, layout, k, slots).item()
+                rows[i, piece.tensor] = piece_value(f, param_buffers, k, slots).item()
     gathered = gather_rows(rows, to, group)
     if gathered is None:
         return {}

@@ -55,12 +55,14 @@ from shardopt.functional.checkpoint._safe_load import (
 from shardopt.functional.checkpoint._torch_format import Hyperparams, param_group_dicts, param_keys
 from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._failure import completed, fails_together
+from shardopt.functional.engine._renamed import renamed_keyword
 from shardopt.functional.engine._state import ShardedState
 from shardopt.functional.engine._validate import agree_across_ranks, fingerprint, plan_fields
 
 __all__ = ["OPTIM_KEY", "load_checkpoint", "save_checkpoint"]
 
 
+@renamed_keyword("save_checkpoint", "group", "process_group")
 @fails_together("save_checkpoint")
 def save_checkpoint(
     state: ShardedState,
@@ -69,14 +71,14 @@ def save_checkpoint(
     names: Sequence[str] | None = None,
     param_groups: Hyperparams = None,
     extra: Mapping[str, Any] | None = None,
-    group: ProcessGroup | DeviceMesh = None,
+    process_group: ProcessGroup | DeviceMesh = None,
     overwrite: bool = False,
     writer: Callable[[str], StorageWriter] | None = None,
 ) -> None:
     """Saves the optimizer state with ``torch.distributed.checkpoint``, atomically, at ``path``.
 
-    Every rank of ``group`` calls it. The state goes under ``optim.state.<name>.<key>`` at each
-    parameter's full shape, with torch.optim's keys for the core optimizers (see
+    Every rank of ``process_group`` calls it. The state goes under ``optim.state.<name>.<key>`` at
+    each parameter's full shape, with torch.optim's keys for the core optimizers (see
     [Note: checkpoint formats], [Note: DCP pieces]); only parameters with state are saved, as
     in torch. :func:`load_checkpoint` reads it at any world size and plan.
 
@@ -89,7 +91,7 @@ def save_checkpoint(
         param_groups: hyperparameters recorded in ``optim.param_groups`` (as in
             :func:`consolidate_state_dict`); not needed to load.
         extra: more DCP state (e.g. ``{"model": model.state_dict()}``) saved alongside.
-        group: the process group (or DeviceMesh) of the sharded optimizer; a state with
+        process_group: the process group (or DeviceMesh) of the sharded optimizer; a state with
             tensor-parallel parameters or replicas is saved by every rank of the default
             group (see [Note: tensor-parallel checkpoints]).
         overwrite: replace an existing checkpoint at ``path`` (else it is an error). Only a
@@ -124,9 +126,9 @@ def save_checkpoint(
         >>> dist.destroy_process_group()
     """
     api = "save_checkpoint"
-    state.layout.wait_params()  # [Note: deferred parameter sync]
-    group = checkpoint_group(api, state, group)
-    plan, rank = state.layout.plan, dist.get_rank(group)
+    state.param_buffers.wait_params()  # [Note: deferred parameter sync]
+    process_group = checkpoint_group(api, state, process_group)
+    plan, rank = state.param_buffers.plan, dist.get_rank(process_group)
     key_of = [str(k) for k in param_keys(api, plan, names)]
     groups = param_group_dicts(api, plan, param_groups, key_of)
     target = os.path.abspath(os.fspath(path))
@@ -136,16 +138,16 @@ def save_checkpoint(
         verdict = None
         if lock is not None and error is None:
             verdict = lock.acquire() or refusal(target, overwrite)
-        verdict = from_rank0(verdict, group)  # every rank names the path and what is there
+        verdict = from_rank0(verdict, process_group)  # every rank names the path and what is there
         agree_across_ranks(
             api,
             error if error is not None else verdict,
             fingerprint(plan, (target, key_of)),
-            group,
+            process_group,
             lambda: {"path": target, "param keys": key_of, "plan": plan_fields(plan)},
         )
         sd = {OPTIM_KEY: {**_saved(state, keysets, key_of), "param_groups": groups}}
-        _write(api, {**sd, **(extra or {})}, target, writer, group, lock)
+        _write(api, {**sd, **(extra or {})}, target, writer, process_group, lock)
     finally:
         if lock is not None:
             lock.release()
@@ -153,12 +155,12 @@ def save_checkpoint(
 
 def _saved(state: ShardedState, keysets: Sequence[FieldKeys], key_of: list[str]) -> dict[str, Any]:
     """The ``optim`` entry that :func:`save_checkpoint` writes."""
-    slots = piece_slots(state.layout)
+    slots = piece_slots(state.param_buffers)
 
     def present(keys: FieldKeys, t: int, k: int) -> bool:
         count = keys.count
         return has_state(
-            keys, None if count is None else piece_value(count, state.layout, k, slots)
+            keys, None if count is None else piece_value(count, state.param_buffers, k, slots)
         )
 
     optim = optim_dict(state, keysets, key_of, present, lambda t: True, state.master.fulls())
@@ -207,6 +209,7 @@ def _write(
     agree_on_rank0(api, failure, group)
 
 
+@renamed_keyword("load_checkpoint", "group", "process_group")
 @fails_together("load_checkpoint")
 def load_checkpoint(
     state: ShardedState,
@@ -214,13 +217,13 @@ def load_checkpoint(
     *,
     names: Sequence[str] | None = None,
     extra: MutableMapping[str, Any] | None = None,
-    group: ProcessGroup | DeviceMesh = None,
+    process_group: ProcessGroup | DeviceMesh = None,
 ) -> None:
     """Loads a :func:`save_checkpoint` directory into ``state`` in place, at any world size or plan.
 
-    Every rank of ``group`` calls it; each reads only the boxes of its own pieces (DCP reshards
-    by overlap). Parameters without state in the checkpoint keep theirs, which must be fresh
-    (count 0). Master weights come from the checkpoint, or else from the current parameters
+    Every rank of ``process_group`` calls it; each reads only the boxes of its own pieces (DCP
+    reshards by overlap). Parameters without state in the checkpoint keep theirs, which must be
+    fresh (count 0). Master weights come from the checkpoint, or else from the current parameters
     (load the model first). ``extra`` (e.g. ``{"model": model.state_dict()}``) is loaded in
     place too. Everything is checked against the checkpoint's metadata on every rank before
     any data is read, and every rank raises the same error on a mismatch. Injected
@@ -241,9 +244,9 @@ def load_checkpoint(
         see :func:`save_checkpoint`.
     """
     api = "load_checkpoint"
-    layout, plan = state.layout, state.layout.plan
-    layout.wait_params()  # [Note: deferred parameter sync]
-    group = checkpoint_group(api, state, group)
+    param_buffers, plan = state.param_buffers, state.param_buffers.plan
+    param_buffers.wait_params()  # [Note: deferred parameter sync]
+    process_group = checkpoint_group(api, state, process_group)
     key_of = [str(k) for k in param_keys(api, plan, names)]
     asked = os.path.abspath(os.fspath(path))
     source = published(asked) or asked  # after a crash mid-publish: [Note: atomic checkpoints]
@@ -270,12 +273,12 @@ def load_checkpoint(
         api,
         error,
         fingerprint(plan, (asked, key_of)),
-        group,
+        process_group,
         lambda: {"saved keys": asked, "param keys": key_of, "plan": plan_fields(plan)},
     )
     if hyperparams:  # the same keys on every rank (same checkpoint, same transformation)
         hyper_sd = {OPTIM_KEY: {"hyperparams": hyperparams}}
-        _read(api, hyper_sd, reader, group)
+        _read(api, hyper_sd, reader, process_group)
         hyperparams = typed_like(api, state, hyper_sd[OPTIM_KEY]["hyperparams"])
     writes = checked_hyperparams(api, state, hyperparams, every=False)  # alike on every rank
     fulls = state.master.fulls()  # float32 masters, loaded in place ([Note: master weights])
@@ -284,14 +287,15 @@ def load_checkpoint(
     )
     stateful = {k: v for k, v in (extra or {}).items() if isinstance(v, Stateful)}
     sd = {OPTIM_KEY: optim, **(extra or {}), **{k: v.state_dict() for k, v in stateful.items()}}
-    _read(api, sd, reader, group)  # everything read and checked, then written: all or nothing
+    # everything read and checked, then written: all or nothing
+    _read(api, sd, reader, process_group)
     write_hyperparams(writes)
     if extra is not None:
         for k, v in stateful.items():
             v.load_state_dict(sd[k])
         extra.update({k: sd[k] for k in extra if k not in stateful})
     with torch.no_grad():
-        for piece, view in zip(layout.pieces, layout.param_views()):
+        for piece, view in zip(param_buffers.pieces, param_buffers.param_views()):
             master = fulls[piece.group]
             if master is not None and not masters[piece.tensor]:
                 master[piece.offset : piece.offset + piece.numel].copy_(view)

@@ -23,7 +23,7 @@ from shardopt.functional.checkpoint._checkpoint_keys import (
 from shardopt.functional.checkpoint._dcp_pieces import piece_tensor
 from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._mesh import GlobalPlace, mesh_groups
-from shardopt.functional.engine._state import FieldKind, ShardedState
+from shardopt.functional.engine._state import FieldGranularity, ShardedState
 
 __all__ = [
     "HYPERPARAMS",
@@ -42,8 +42,8 @@ HYPERPARAMS = f"{OPTIM_KEY}.hyperparams."  # [Note: hyperparameters of a sharded
 def _places(state: ShardedState) -> Sequence[GlobalPlace | None]:
     """Each plan tensor's place in its full DTensor, or None (see [Note: tensor-parallel
     checkpoints])."""
-    layout = state.layout
-    return layout.global_places or (None,) * len(layout.plan.tensors)
+    param_buffers = state.param_buffers
+    return param_buffers.global_places or (None,) * len(param_buffers.plan.tensors)
 
 
 def optim_dict(
@@ -57,12 +57,12 @@ def optim_dict(
     """This rank's DCP dict: ``{"state": {name: {key: tensor}}, "master_weights": {name:
     tensor}, "replicated": {path: tensor}}`` for the tensors ``present(keys, t, k)`` says; the
     master weights are views of ``fulls`` (``state.master.fulls()``: float32 per group)."""
-    layout, plan = state.layout, state.layout.plan
-    slots = piece_slots(layout)
+    param_buffers, plan = state.param_buffers, state.param_buffers.plan
+    slots = piece_slots(param_buffers)
     places = _places(state)
     entries: dict[str, dict[str, torch.Tensor]] = {}
     master_weights: dict[str, torch.Tensor] = {}
-    for k, piece in enumerate(layout.pieces):
+    for k, piece in enumerate(param_buffers.pieces):
         t, shape, place = piece.tensor, plan.tensors[piece.tensor].shape, places[piece.tensor]
         master = fulls[piece.group]
         if master is not None and masters(t):
@@ -73,10 +73,12 @@ def optim_dict(
             continue
         entry = entries.setdefault(names[t], {})
         for field, key, _ in keys.entries:
-            if field.kind is FieldKind.PER_PIECE:
-                entry[key] = piece_value(field, layout, k, slots)
+            if field.granularity is FieldGranularity.PER_PIECE:
+                entry[key] = piece_value(field, param_buffers, k, slots)
             else:
-                entry[key] = piece_tensor(shape, piece, piece_value(field, layout, k, slots), place)
+                entry[key] = piece_tensor(
+                    shape, piece, piece_value(field, param_buffers, k, slots), place
+                )
         for shaped in keys.shaped:  # whole on their owner: plain tensors ([Note: shaped state])
             if (whole := shaped.tensors[k]) is not None:
                 entry[shaped.key] = whole
@@ -88,11 +90,13 @@ def checkpoint_group(api: str, state: ShardedState, group: Any) -> ProcessGroup:
     """The group that saves or loads ``state``: the default group for tensor-parallel and hybrid
     states ([Note: tensor-parallel checkpoints]). Raises ValueError, on every calling rank alike
     and before any collective, if their ranks do not span the world."""
-    layout, shard_group = state.layout, mesh_groups(api, group).shard
-    if layout.global_places is None and layout.replicate is None:
+    param_buffers, shard_group = state.param_buffers, mesh_groups(api, group).shard
+    if param_buffers.global_places is None and param_buffers.replicate is None:
         return shard_group
-    replicas = 1 if layout.replicate is None else dist.get_world_size(layout.replicate)
-    split = layout.tensor_parallel
+    replicas = (
+        1 if param_buffers.replicate is None else dist.get_world_size(param_buffers.replicate)
+    )
+    split = param_buffers.tensor_parallel
     tp = 1 if split is None else dist.get_world_size(split.group)
     spans = dist.get_world_size(shard_group) * replicas * tp
     if spans != dist.get_world_size():  # the same on every calling rank: no collective needed
@@ -125,7 +129,7 @@ def _common_checks(state: ShardedState, keysets: Sequence[FieldKeys], extra: Any
     ]
     if per_piece:
         return f"every per-parameter tensor of the state in a field, got others at {per_piece}"
-    if any(keys.shaped for keys in keysets) and state.layout.global_places is not None:
+    if any(keys.shaped for keys in keysets) and state.param_buffers.global_places is not None:
         return "no shaped state (Adafactor's row_var, col_var) with DTensor parameters"
     if extra is not None and (not isinstance(extra, Mapping) or OPTIM_KEY in extra):
         return f"extra to be a mapping without the key {OPTIM_KEY!r}, got {type(extra).__name__}"
@@ -137,7 +141,7 @@ def check_metadata(
 ) -> tuple[str | None, list[bool], list[bool]]:
     """(the first problem of the checkpoint for ``state``, whether each tensor has state in it,
     whether it has master weights); the same on every rank (plan and file are)."""
-    plan: Plan = state.layout.plan
+    plan: Plan = state.param_buffers.plan
     places = _places(state)
     saved = md.state_dict_metadata
     prefix = f"{OPTIM_KEY}.state."
@@ -175,7 +179,7 @@ def _wanted(
         return {}
     full = shape if place is None else place.shape
     want = {
-        key: torch.Size(() if field.kind is FieldKind.PER_PIECE else full)
+        key: torch.Size(() if field.granularity is FieldGranularity.PER_PIECE else full)
         for field, key, _ in keys.entries
     }
     want.update({key: torch.Size(s) for key, s in keys.shapes(shape, torch.float32).items()})
@@ -188,12 +192,12 @@ def fresh_where_absent(
     names: Sequence[str],
     present: Sequence[bool],
 ) -> str | None:
-    slots = piece_slots(state.layout)
-    for k, piece in enumerate(state.layout.pieces):
+    slots = piece_slots(state.param_buffers)
+    for k, piece in enumerate(state.param_buffers.pieces):
         keys = keys_of(keysets, piece.tensor)
         if keys is None or keys.count is None or present[piece.tensor]:
             continue
-        count = piece_value(keys.count, state.layout, k, slots).item()
+        count = piece_value(keys.count, state.param_buffers, k, slots).item()
         if count != 0:
             return (
                 f"state in the checkpoint for parameter {names[piece.tensor]!r}, whose state "

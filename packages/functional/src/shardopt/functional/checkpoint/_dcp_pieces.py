@@ -23,7 +23,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat star
 
 # [Note: DCP pieces]
 # DCP stores a tensor as chunks: boxes (offsets and sizes per dimension) that the ranks write and
-# that any later layout reads back by overlap, which is how it reshards. Our pieces are runs
+# that any later plan reads back by overlap, which is how it reshards. Our pieces are runs
 # ``[start, stop)`` of a parameter's flattened elements, not boxes, and rank boundaries fall
 # anywhere (flat plans, alignment, greedy gaps), so neither DTensor's ``Shard(0)`` (chunks of
 # ``torch.chunk`` sizes) nor a flat per-group tensor fits. But a run of a row-major tensor is
@@ -159,11 +159,11 @@ class LocalBoxes(torch.Tensor, _DCPHooks):
 # boxes ([Note: DCP pieces]) are boxes of the local tensor. The checkpoint stores the full tensor
 # instead: each box moves by the local tensor's offset in it (``GlobalPlace``, DTensor's own
 # ``__create_chunk_list__``), and the entry has the full shape. Every rank of every
-# tensor-parallel group thus writes its own region of one tensor, and a later layout reads the
+# tensor-parallel group thus writes its own region of one tensor, and a later plan reads the
 # regions it needs by overlap, whatever its data-parallel size: (dp=2, tp=2) loads at (dp=1,
 # tp=2). Replicas (hybrid sharding) write the same boxes; DCP keeps one of each (it de-duplicates
 # write items by key and offset), so a hybrid 2x2 checkpoint is the checkpoint of a 1-D 4 with
-# the same plan over 2 ranks, and loads as any layout. Such states are saved and loaded by every
+# the same plan over 2 ranks, and loads into any plan. Such states are saved and loaded by every
 # rank of the default group together (the data-parallel group alone does not hold every region),
 # so their mesh must span the world.
 

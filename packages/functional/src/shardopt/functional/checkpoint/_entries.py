@@ -108,7 +108,7 @@ def _structure(
     """The tensors of ``entries`` in order, and per entry (index, [(key, tensor position or None,
     plain value or None)])."""
     tensors: list[torch.Tensor] = []
-    layout = []
+    param_buffers = []
     for index, entry in entries.items():
         items: list[tuple[str, int | None, Any]] = []
         for key, value in entry.items():
@@ -117,8 +117,8 @@ def _structure(
                 tensors.append(value.detach())
             else:
                 items.append((key, None, value))
-        layout.append((index, items))
-    return tensors, layout
+        param_buffers.append((index, items))
+    return tensors, param_buffers
 
 
 def _windows_into(
@@ -164,13 +164,13 @@ def _padded(buf: torch.Tensor, lo: int, n: int, pad: torch.Tensor) -> torch.Tens
 
 def _unpacked(meta: Any, buf: torch.Tensor) -> dict[int, dict[str, Any]]:
     """One rank's entries from its metadata, the tensors as views of its received ``buf``."""
-    layout, specs = meta
+    param_buffers, specs = meta
     return {
         index: {
             key: value if pos is None else unpack_tensor(buf, *specs[pos])
             for key, pos, value in items
         }
-        for index, items in layout
+        for index, items in param_buffers
     }
 
 
@@ -191,9 +191,9 @@ def gather_entries(
     rank, device = dist.get_rank(group), comm_device(group)
     # The target copies its own entries while the others pack theirs.
     mine = {i: to_cpu(dict(entry), copy=True) for i, entry in entries.items()} if rank == to else {}
-    tensors, layout = _structure(entries) if rank != to else ([], [])
+    tensors, param_buffers = _structure(entries) if rank != to else ([], [])
     buf, specs = pack_tensors(tensors, device)
-    meta = pickle.dumps((layout, specs)) if rank != to else b""
+    meta = pickle.dumps((param_buffers, specs)) if rank != to else b""
     meta_buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device) if meta else buf[:0]
     sizes = torch.tensor([meta_buf.numel(), buf.numel()], dtype=torch.int64, device=device)
     sizes = all_gather_rows(sizes, group=group).cpu()  # every rank's (metadata, data) bytes

@@ -26,7 +26,8 @@ from shardopt.functional.checkpoint._consolidate import (
 )
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._failure import fails_together
-from shardopt.functional.engine._state import FieldKind, ShardedState
+from shardopt.functional.engine._renamed import renamed_keyword
+from shardopt.functional.engine._state import FieldGranularity, ShardedState
 from shardopt.functional.engine._validate import (
     agree_across_ranks,
     describe,
@@ -53,6 +54,7 @@ def torch_hyperparams(optimizer: type[torch.optim.Optimizer], **kwargs: Any) -> 
     return {k: v for k, v in group.items() if k != "params"}
 
 
+@renamed_keyword("consolidate_state_dict", "group", "process_group")
 @fails_together("consolidate_state_dict")
 def consolidate_state_dict(
     state: ShardedState,
@@ -60,12 +62,12 @@ def consolidate_state_dict(
     *,
     names: Sequence[str] | None = None,
     to: int = 0,
-    group: ProcessGroup = None,
+    process_group: ProcessGroup = None,
 ) -> dict[Any, Any] | None:
     """The full optimizer state in ``torch.optim.<Class>.state_dict()`` format, on rank ``to``.
 
-    Every rank of ``group`` must call it (it gathers, see [Note: consolidation by gathers] in
-    ``_consolidate.py``);
+    Every rank of ``process_group`` must call it (it gathers, see [Note: consolidation by gathers]
+    in ``_consolidate.py``);
     rank ``to`` gets ``{"state": {index: {"step": ..., "exp_avg": ..., ...}}, "param_groups":
     [{..., "params": [indices]}]}`` with the keys of [Note: torch state keys], the others None.
     Parameters that never had a gradient get no entry (as in torch; every parameter for
@@ -85,8 +87,8 @@ def consolidate_state_dict(
             ``"params"`` key, if present, must list the group's parameters. For a partition,
             a mapping from each label to its optimizer's (each as above).
         names: one key per plan tensor instead of its index (torch's FQN optimizer format).
-        to: the rank (in ``group``) that receives the dict.
-        group: the process group of the sharded optimizer (None: the default group).
+        to: the rank (in ``process_group``) that receives the dict.
+        process_group: the process group of the sharded optimizer (None: the default group).
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -104,9 +106,9 @@ def consolidate_state_dict(
         >>> dist.destroy_process_group()
     """
     api = "consolidate_state_dict"
-    state.layout.wait_params()  # [Note: deferred parameter sync]
-    plan = state.layout.plan
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    state.param_buffers.wait_params()  # [Note: deferred parameter sync]
+    plan = state.param_buffers.plan
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     failure: BaseException | None = None
     keysets: tuple[FieldKeys, ...] = ()
     try:  # local checks: their errors ride through the agreement ([Note: cross-rank validation])
@@ -130,11 +132,13 @@ def consolidate_state_dict(
         api,
         failure,
         print_,
-        group,
+        process_group,
         lambda: {"to": to, "param keys": key_of, "param_groups": groups, "plan": plan_fields(plan)},
     )
     out = {
-        keys.label: _gathered(state, keys, codes, to, group, _keys_in(keys, key_of), label_groups)
+        keys.label: _gathered(
+            state, keys, codes, to, process_group, _keys_in(keys, key_of), label_groups
+        )
         for keys, codes, label_groups in zip(keysets, local, groups)
     }
     if rank != to:
@@ -277,34 +281,34 @@ def load_torch_state_dict(
         >>> dist.destroy_process_group()
     """
     api = "load_torch_state_dict"
-    state.layout.wait_params()
+    state.param_buffers.wait_params()
     keysets = state_keys(state, api, torch_only=True)
-    layout, plan = state.layout, state.layout.plan
+    param_buffers, plan = state.param_buffers, state.param_buffers.plan
     key_of = param_keys(api, plan, names)
     entries: list[Mapping[str, Any] | None] = [None] * len(plan.tensors)
     for keys, sd in zip(keysets, _dicts_of(api, state, keysets, torch_sd)):
         for t, entry in enumerate(_checked_entries(api, plan, keys, sd, _keys_in(keys, key_of))):
             entries[t] = entries[t] if entry is None else entry
-    slots = piece_slots(layout)
-    for k, piece in enumerate(layout.pieces):
+    slots = piece_slots(param_buffers)
+    for k, piece in enumerate(param_buffers.pieces):
         found = keys_of(keysets, piece.tensor)
         if found is not None and entries[piece.tensor] is None and found.count is not None:
-            count = piece_value(found.count, layout, k, slots)
+            count = piece_value(found.count, param_buffers, k, slots)
             if count.item() != 0:
                 raise ValueError(
                     f"{api}: expected an entry for parameter {key_of[piece.tensor]!r}, whose "
                     f"state here has count {count.item():g}; load into a fresh state"
                 )
     with torch.no_grad():
-        for k, piece in enumerate(layout.pieces):
+        for k, piece in enumerate(param_buffers.pieces):
             entry, found = entries[piece.tensor], keys_of(keysets, piece.tensor)
             if entry is None or found is None:
                 continue
             for field, key, in_torch in found.entries:
-                dst = piece_value(field, layout, k, slots)
+                dst = piece_value(field, param_buffers, k, slots)
                 if not in_torch:  # SGD's count: torch keeps none, a buffer means >= 1 step
                     dst.clamp_(min=1)
-                elif field.kind is FieldKind.PER_PIECE:
+                elif field.granularity is FieldGranularity.PER_PIECE:
                     dst.copy_(torch.as_tensor(entry[key]).reshape(()))
                 else:
                     dst.copy_(entry[key].reshape(-1)[piece.start : piece.stop])
@@ -356,7 +360,8 @@ def _checked_entries(
         if entry is None:
             continue
         expected = {
-            key: () if f.kind is FieldKind.PER_PIECE else spec.shape for key, f in fields.items()
+            key: () if f.granularity is FieldGranularity.PER_PIECE else spec.shape
+            for key, f in fields.items()
         }
         expected.update(keys.shapes(spec.shape, torch.float32))
         if not isinstance(entry, Mapping) or set(entry) != set(expected):

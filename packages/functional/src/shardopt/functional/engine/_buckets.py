@@ -20,7 +20,7 @@ class BucketMap:
     """The per-bucket tables of ``plan`` on ``rank``, derived once from the plan (the index
     spaces of [Note: engine glossary]): the bucket keys, each bucket's tensors, pieces and
     packing, where each bucket's shard sits in a compact shard, and views of the parameter
-    ``buffers`` (one per plan group; none for a layout of staged storage)."""
+    ``buffers`` (one per plan group; none for a ParamBuffers of staged storage)."""
 
     def __init__(self, plan: Plan, rank: int, buffers: Sequence[torch.Tensor]) -> None:
         self.plan, self.rank, self.buffers = plan, rank, tuple(buffers)

@@ -1,4 +1,4 @@
-"""Compiled flat updates: a transformation's update and apply, one compiled region per layout.
+"""Compiled updates: a transformation's update and apply, one compiled region per sharded state.
 
 See [Note: compiled updates].
 """
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardopt.core import Transformation
-from shardopt.core.blocks import Scope, flat_rule, tree_leaves
+from shardopt.core.blocks import Scope, piece_rule, tree_leaves
 from shardopt.functional.engine._collectives import all_reduce_op, comm_device
 from shardopt.functional.engine._compiled_scalars import scalar_op, scalar_pass
 from shardopt.functional.engine._masters import Masters, RemainderMaster, StoredMaster
@@ -36,8 +36,8 @@ __all__ = [
 
 # [Note: compiled updates]
 # ``shard(..., compile=...)`` runs the rank's update through ``torch.compile`` (inductor: C++ on
-# the CPU, Triton on CUDA). One ``CompiledUpdate`` per layout holds one compiled function, a
-# fresh code object of its own (dynamo keeps its cache per code object: layouts never share
+# the CPU, Triton on CUDA). One ``CompiledUpdate`` per sharded state holds one compiled function, a
+# fresh code object of its own (dynamo keeps its cache per code object: two ParamBuffers never share
 # one, nor reach its recompile limit together). The function is ``tx.update`` followed by the
 # apply, in place: ``p += u`` and each state tensor overwritten by its new value, over the
 # rank's pieces (1-D views of the flat shards, and of the state's flat buffers), so inductor
@@ -97,7 +97,7 @@ __all__ = [
 #
 # Caching. Inductor's FX-graph cache (on by default since torch 2.5; its directory is
 # TORCHINDUCTOR_CACHE_DIR) keeps the compiled kernels across processes, so a second run with the
-# same layout compiles faster; dynamo still traces every run.
+# same sharded state compiles faster; dynamo still traces every run.
 
 AUTO_NUMEL = 1 << 20  # elements of the plan's largest shard from which "auto" compiles
 _IDS = itertools.count()
@@ -171,7 +171,7 @@ def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 def _compile(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn`` compiled for fixed shapes (the layout's never change), its scalars computed once
+    """``fn`` compiled for fixed shapes (the ParamBuffers' never change), its scalars computed once
     ([Note: scalars computed once] in _compiled_scalars.py). The first torch.compile of a
     process imports torch's compiler stack, whose TorchScript leftovers warn of their own
     deprecation (not the caller's concern)."""
@@ -191,7 +191,7 @@ def _graphs() -> int:
 
 
 class CompiledUpdate:
-    """The compiled update of one layout (see [Note: compiled updates]).
+    """The compiled update of one sharded state (see [Note: compiled updates]).
 
     ``compile_seconds``: the first step's time (compiling included); ``graphs``: graphs compiled
     by the first step (1 where nothing broke the graph); ``recompiles``: graphs compiled by later
@@ -199,13 +199,15 @@ class CompiledUpdate:
     it runs eagerly, or None.
     """
 
-    def __init__(self, tx: Transformation, layout: ParamBuffers, scope: Scope | None) -> None:
-        self.layout, self.calls = layout, 0
+    def __init__(
+        self, tx: Transformation, param_buffers: ParamBuffers, scope: Scope | None
+    ) -> None:
+        self.param_buffers, self.calls = param_buffers, 0
         self.compile_seconds: float | None = None
         self.graphs = self.recompiles = 0
         self.fallback: str | None = None
         self.scope = scope
-        device = layout.buffers[0].device if layout.buffers else torch.device("cpu")
+        device = param_buffers.buffers[0].device if param_buffers.buffers else torch.device("cpu")
         self.joins_in_graph = device.type != "cpu"  # [Note: remainders in the graph]
         self._fn = _compile(_own_code(_body(tx)))
 
@@ -243,9 +245,13 @@ class CompiledUpdate:
         targets = list(params)
         rems: list[torch.Tensor | None] = [None] * len(params)
         if not self.joins_in_graph:  # joined eagerly, split by write_back before each gather
-            keys = [k for k in self.layout.keys if isinstance(master.groups[k[0]], RemainderMaster)]
+            keys = [
+                k
+                for k in self.param_buffers.keys
+                if isinstance(master.groups[k[0]], RemainderMaster)
+            ]
             master.views_for_update(targets, keys)
-        for i, p in enumerate(self.layout.pieces):
+        for i, p in enumerate(self.param_buffers.pieces):
             group = master.groups[p.group]
             if isinstance(group, StoredMaster):
                 targets[i] = group.stored[p.offset : p.offset + p.numel]
@@ -275,7 +281,7 @@ class CompiledUpdate:
         self.compile_seconds = time.perf_counter() - start
         self.graphs = _graphs() - before
         self.calls = 1
-        if _agreed(error is not None, self.layout):
+        if _agreed(error is not None, self.param_buffers):
             with torch.no_grad():
                 for t, s in zip(mutable, saved):
                     t.copy_(s)
@@ -290,12 +296,12 @@ class CompiledUpdate:
         warnings.warn(f"shard: compile: running the update eagerly: {why}", stacklevel=4)
 
 
-def _agreed(failed: bool, layout: ParamBuffers) -> bool:
-    """Whether ``failed`` on any rank of the layout's group (one small all-reduce)."""
-    group = layout.group
+def _agreed(failed: bool, param_buffers: ParamBuffers) -> bool:
+    """Whether ``failed`` on any rank of the ParamBuffers' group (one small all-reduce)."""
+    group = param_buffers.group
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return failed
-    device = comm_device(group, layout.buffers[0].device if layout.buffers else None)
+    device = comm_device(group, param_buffers.buffers[0].device if param_buffers.buffers else None)
     flag = torch.tensor([float(failed)], device=device)
     all_reduce_op(flag, dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
@@ -307,9 +313,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def planned_update(
-    tx: Transformation, layout: ParamBuffers, mode: bool | str, whole: bool
+    tx: Transformation, param_buffers: ParamBuffers, mode: bool | str, whole: bool
 ) -> CompiledUpdate | None:
-    """The layout's compiled update under ``compile=mode``, or None where it runs eagerly:
+    """The ParamBuffers' compiled update under ``compile=mode``, or None where it runs eagerly:
     ``False``; ``"auto"`` on a small shard or without a compiler; a transformation that needs
     whole tensors (its shaped update runs eagerly). ``True`` (and ``"auto"`` on a large shard)
     warns once where compiling is impossible, and returns None."""
@@ -325,19 +331,19 @@ def planned_update(
         return None
     # Every rank decides alike, or a compiled rank would wait alone in its first step's
     # agreement: by the plan's largest shard (not this rank's), and a compiler on every rank.
-    owned = max(layout.plan.numel_per_rank(), default=0)
-    if mode == "auto" and (owned < AUTO_NUMEL or flat_rule(tx) is not None):
+    owned = max(param_buffers.plan.numel_per_rank(), default=0)
+    if mode == "auto" and (owned < AUTO_NUMEL or piece_rule(tx) is not None):
         return None  # small, or torch's fused kernels already (adamw, sgd, ...)
-    blocker = compile_blocker(layout.buffers[0].device) if layout.buffers else None
-    if _agreed(blocker is not None, layout):
+    blocker = compile_blocker(param_buffers.buffers[0].device) if param_buffers.buffers else None
+    if _agreed(blocker is not None, param_buffers):
         why = blocker or "another rank cannot compile"
         warnings.warn(f"shard: compile: running the update eagerly: {why}", stacklevel=3)
         return None
-    update = CompiledUpdate(tx, layout, layout.scope)
-    _UPDATES[layout] = update
+    update = CompiledUpdate(tx, param_buffers, param_buffers.scope)
+    _UPDATES[param_buffers] = update
     return update
 
 
-def compiled_update(layout: ParamBuffers) -> CompiledUpdate | None:
-    """The compiled update of ``layout`` (None: eager)."""
-    return _UPDATES.get(layout)
+def compiled_update(param_buffers: ParamBuffers) -> CompiledUpdate | None:
+    """The compiled update of ``param_buffers`` (None: eager)."""
+    return _UPDATES.get(param_buffers)

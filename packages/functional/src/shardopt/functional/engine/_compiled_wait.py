@@ -29,8 +29,8 @@ _IDS = itertools.count()
 
 
 def _registry() -> tuple[weakref.WeakValueDictionary[int, ParamBuffers], itertools.count[int]]:
-    """The process's layouts by id, whichever copy of this file asks (doctest collection imports
-    it a second time, under another name): the op and the hooks must share them."""
+    """The process's ParamBuffers by id, whichever copy of this file asks (doctest collection
+    imports it a second time, under another name): the op and the hooks must share them."""
     from shardopt.functional.engine import _compiled_wait
 
     return _compiled_wait._LAYOUTS, _compiled_wait._IDS
@@ -64,16 +64,18 @@ def _no_op(module: torch.nn.Module, args: Any) -> None:
     del module, args
 
 
-def compiled_wait(layout: ParamBuffers, params: Sequence[torch.Tensor], places: Places) -> Any:
+def compiled_wait(
+    param_buffers: ParamBuffers, params: Sequence[torch.Tensor], places: Places
+) -> Any:
     """What a forward pre-hook calls, while dynamo traces it, to wait through bucket ``end``:
     ``wait(end)`` puts the wait in the graph where it can, else breaks the graph once."""
     found = [(places[a], p) for p in params if (a := local_tensor(p).data_ptr()) in places]
     if not inlines_module_hooks() or any(local_tensor(p) is not p for _, p in found):
-        return _breaking_wait(layout)
-    layouts, ids = _registry()
+        return _breaking_wait(param_buffers)
+    all_param_buffers, ids = _registry()
     lid = next(ids)
-    layouts[lid] = layout
-    per_bucket: list[list[tuple[int, torch.Tensor]]] = [[] for _ in layout.keys]
+    all_param_buffers[lid] = param_buffers
+    per_bucket: list[list[tuple[int, torch.Tensor]]] = [[] for _ in param_buffers.keys]
     for (t, b), p in found:
         per_bucket[b].append((t, p))
     entries: Entries = tuple(tuple(e) for e in per_bucket)
@@ -81,25 +83,25 @@ def compiled_wait(layout: ParamBuffers, params: Sequence[torch.Tensor], places: 
 
     def wait(end: int) -> None:  # traced: one op per parameter of the buckets, no break
         with torch.no_grad():
-            for b in range(layout.synced, end):
+            for b in range(param_buffers.synced, end):
                 for t, p in entries[b]:
                     op(p, lid, t, end)
-        layout.synced = end  # what the ops do at run time, for the hooks traced after
+        param_buffers.synced = end  # what the ops do at run time, for the hooks traced after
 
     return wait
 
 
-def _breaking_wait(layout: ParamBuffers) -> Callable[[int], None]:
+def _breaking_wait(param_buffers: ParamBuffers) -> Callable[[int], None]:
     def wait(end: int) -> None:
-        _wait_through(layout, end)
+        _wait_through(param_buffers, end)
 
     return wait
 
 
 @torch.compiler.disable
-def _wait_through(layout: ParamBuffers, end: int) -> None:
+def _wait_through(param_buffers: ParamBuffers, end: int) -> None:
     """Not traced: the graph breaks here, and only here."""
-    layout.wait_params_through(end)
+    param_buffers.wait_params_through(end)
 
 
 def _param_wait_op() -> Any:
@@ -114,11 +116,11 @@ def _param_wait_op() -> Any:
     return getattr(namespace, _OP).default
 
 
-def _param_wait(param: torch.Tensor, layout: int, tensor: int, end: int) -> None:
+def _param_wait(param: torch.Tensor, param_buffers: int, tensor: int, end: int) -> None:
     """Waits for the first ``end`` buckets, then makes ``param`` hold plan tensor ``tensor``:
     it is the parameter itself, or a copy that a functionalizing backend made before the call."""
-    found = _registry()[0].get(layout)
-    if found is None:  # the hooks are gone with their layout: nothing is in flight
+    found = _registry()[0].get(param_buffers)
+    if found is None:  # the hooks are gone with their ParamBuffers: nothing is in flight
         return
     if found.synced < end:
         found.wait_params_through(end)
@@ -128,5 +130,5 @@ def _param_wait(param: torch.Tensor, layout: int, tensor: int, end: int) -> None
         param.copy_(value.view_as(param))
 
 
-def _param_wait_fake(param: torch.Tensor, layout: int, tensor: int, end: int) -> None:
-    del param, layout, tensor, end
+def _param_wait_fake(param: torch.Tensor, param_buffers: int, tensor: int, end: int) -> None:
+    del param, param_buffers, tensor, end

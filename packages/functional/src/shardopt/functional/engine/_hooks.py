@@ -45,9 +45,9 @@ __all__ = [
 # the graph costs more than one break: dynamo cannot resume inside a nested call, so the break
 # splits every frame on the stack, and one inside a loop (over a model's blocks) makes it run the
 # loop's whole frame eagerly, compiling each module called from it as a graph of its own. So a
-# hook's traced path must hold no break. The layout keeps a frontier ``synced``: no bucket before
-# it has a gather in flight. Gathers launch in bucket order, so a module whose parameters lie in
-# the first ``end`` buckets waits, in order, for those still in flight among them (they land
+# hook's traced path must hold no break. The ParamBuffers keeps a frontier ``synced``: no bucket
+# before it has a gather in flight. Gathers launch in bucket order, so a module whose parameters lie
+# in the first ``end`` buckets waits, in order, for those still in flight among them (they land
 # first anyway); its hook tests ``synced < end``, which dynamo traces as a guard on one int and
 # nothing else once synced. Under dynamo a hook that must wait puts the wait in the graph: one op
 # ``shardopt::param_wait`` per parameter of those buckets, under no_grad, declared as mutating
@@ -105,11 +105,11 @@ class GradReducer:
     gradient once it is packed.
     """
 
-    def __init__(self, layout: ParamBuffers, *, free_grads: bool) -> None:
-        self.layout = layout
-        self.grads = GradShards(layout)
+    def __init__(self, param_buffers: ParamBuffers, *, free_grads: bool) -> None:
+        self.param_buffers = param_buffers
+        self.grads = GradShards(param_buffers)
         self.free_grads = free_grads
-        self.present = [False] * len(layout.plan.tensors)
+        self.present = [False] * len(param_buffers.plan.tensors)
         self.accumulate = False
         self.launched_early = 0.0
         self._params: list[torch.Tensor] | None = None
@@ -190,10 +190,10 @@ class GradReducer:
         """Launches bucket ``key``'s reduction, counts it, and (stage 2) frees the full
         gradients it packed."""
         assert self._params is not None
-        tensors = self.layout.bucket_tensors[key]
+        tensors = self.param_buffers.bucket_tensors[key]
         grads = {t: self._ready_grad(t) for t in tensors}
         self.grads.start_reduce(key, grads, accumulate=self.accumulate)
-        self._launches.append((self._hooks_run, self.layout.bucket(key).numel))
+        self._launches.append((self._hooks_run, self.param_buffers.bucket(key).numel))
         if self.free_grads:
             for t in tensors:
                 if self._ready[t]:
@@ -279,7 +279,7 @@ def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks
             "without a gradient reducer"
         )
     params = list(params)
-    problem = state.layout.check_views([local_tensor(p) for p in params])
+    problem = state.param_buffers.check_views([local_tensor(p) for p in params])
     if problem is not None:
         raise ValueError(f"register_grad_hooks: expected {problem}")
     return GradHooks(reducer, reducer.attach(params))
@@ -288,24 +288,25 @@ def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks
 class ParamHooks:
     """The handle of :func:`register_param_hooks`; :meth:`remove` takes the hooks off."""
 
-    def __init__(self, layout: ParamBuffers, handles: list[Any]) -> None:
-        self._layout = layout
+    def __init__(self, param_buffers: ParamBuffers, handles: list[Any]) -> None:
+        self._param_buffers = param_buffers
         self._handles = handles
 
     def remove(self) -> None:
         """Waits for the parameters, removes the hooks; ``step`` then waits for its gathers."""
-        self._layout.wait_params()
+        self._param_buffers.wait_params()
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._layout.defer_param_syncs(False)
+        self._param_buffers.defer_param_syncs(False)
 
 
-def _layout_of(api: str, state: Any) -> ParamBuffers:
-    layout = getattr(state, "layout", None)
-    if not callable(getattr(layout, "wait_params", None)):  # duck-typed: doctests reload modules
+def _param_buffers_of(api: str, state: Any) -> ParamBuffers:
+    param_buffers = getattr(state, "param_buffers", None)
+    # duck-typed: doctests reload modules
+    if not callable(getattr(param_buffers, "wait_params", None)):
         raise ValueError(f"{api}: expected the state of a shard(...), got a {type(state).__name__}")
-    return layout  # type: ignore[return-value]
+    return param_buffers  # type: ignore[return-value]
 
 
 def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
@@ -343,15 +344,15 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
         ValueError: if ``state`` is not the state of a sharded transformation, or ``module``
             holds none of its parameters.
     """
-    layout = _layout_of("register_param_hooks", state)
-    places = _places(layout)
-    compiled = compiled_wait(layout, list(module.parameters()), places)
+    param_buffers = _param_buffers_of("register_param_hooks", state)
+    places = _places(param_buffers)
+    compiled = compiled_wait(param_buffers, list(module.parameters()), places)
     handles, hooked = [], []
     for sub in module.modules():
         found = [places[a] for a in map(_address, sub.parameters(recurse=False)) if a in places]
         if found:
             end = 1 + max(b for _, b in found)  # wait through the last bucket it reads
-            handles.append(sub.register_forward_pre_hook(_waiter(layout, end, compiled)))
+            handles.append(sub.register_forward_pre_hook(_waiter(param_buffers, end, compiled)))
             hooked.append(sub)
     if not handles:
         raise ValueError(
@@ -359,17 +360,17 @@ def register_param_hooks(module: torch.nn.Module, state: Any) -> ParamHooks:
             f"{type(module).__name__} holding none"
         )
     handles += hook_ancestors(module, hooked)  # torch 2.4: see [Note: compiled forward]
-    layout.defer_param_syncs(True)
-    return ParamHooks(layout, handles)
+    param_buffers.defer_param_syncs(True)
+    return ParamHooks(param_buffers, handles)
 
 
-def _places(layout: ParamBuffers) -> dict[int, tuple[int, int]]:
-    """(plan tensor, index of its bucket in ``layout.keys``) by the address of its elements."""
+def _places(param_buffers: ParamBuffers) -> dict[int, tuple[int, int]]:
+    """(plan tensor, index of its bucket in ``param_buffers.keys``) by its elements' address."""
     out = {}
-    for t, spec in enumerate(layout.plan.tensors):
-        g, b, _ = layout.plan.locate(t)
+    for t, spec in enumerate(param_buffers.plan.tensors):
+        g, b, _ = param_buffers.plan.locate(t)
         if spec.numel:
-            out[layout.address_of(t)] = (t, layout.keys.index((g, b)))
+            out[param_buffers.address_of(t)] = (t, param_buffers.keys.index((g, b)))
     return out
 
 
@@ -378,16 +379,18 @@ def _address(p: torch.Tensor) -> int:
     return local_tensor(p).data_ptr()
 
 
-def _waiter(layout: ParamBuffers, end: int, compiled: Callable[[int], None]) -> Callable[..., None]:
+def _waiter(
+    param_buffers: ParamBuffers, end: int, compiled: Callable[[int], None]
+) -> Callable[..., None]:
     """The forward pre-hook of a module whose parameters lie in the first ``end`` buckets."""
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         del module, args
-        if layout.synced < end:  # traced: a guard on an int, nothing else when synced
+        if param_buffers.synced < end:  # traced: a guard on an int, nothing else when synced
             if torch.compiler.is_compiling():
                 compiled(end)
             else:
-                layout.wait_params_through(end)
+                param_buffers.wait_params_through(end)
 
     return hook
 
@@ -399,4 +402,4 @@ def wait_params(state: Any) -> None:
     (evaluation, logging, saving by hand); a no-op when nothing is in flight. See
     [Note: deferred parameter sync].
     """
-    _layout_of("wait_params", state).wait_params()
+    _param_buffers_of("wait_params", state).wait_params()

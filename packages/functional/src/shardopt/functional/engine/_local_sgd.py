@@ -14,6 +14,7 @@ from shardopt.core import Transformation, apply_updates
 from shardopt.core.blocks import PyTree, tree_leaves, tree_map, tree_structure
 from shardopt.functional.engine._collectives import all_reduce_op
 from shardopt.functional.engine._failure import fails_together
+from shardopt.functional.engine._renamed import renamed_keyword
 from shardopt.functional.engine._rooted import ProcessGroup
 
 __all__ = ["average_params", "averaging_due", "local_sgd_step"]
@@ -102,16 +103,18 @@ def average_flat(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> list[t
     return out
 
 
+@renamed_keyword("average_params", "group", "process_group")
 @fails_together("average_params")
 def average_params(
-    params: PyTree, group: ProcessGroup | None = None, *, where: PyTree | None = None
+    params: PyTree, process_group: ProcessGroup | None = None, *, where: PyTree | None = None
 ) -> PyTree:
-    """The leaves of ``params`` averaged across ``group`` (default: the whole world), as a new tree.
+    """The leaves of ``params`` averaged across ``process_group`` (default: the whole world), as a
+    new tree.
 
-    A collective: every rank of ``group`` calls it with trees of the same structure, shapes and
-    dtypes. ``where`` (a tree of booleans, or of tensors and ``None``, like the gradients) picks
+    A collective: every rank of ``process_group`` calls it with trees of the same structure, shapes
+    and dtypes. ``where`` (a tree of booleans, or of tensors and ``None``, like the gradients) picks
     the leaves to average; the others, ``None`` leaves, and the whole tree on a rank outside
-    ``group`` come back as they are. The inputs are not modified.
+    ``process_group`` come back as they are. The inputs are not modified.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -134,10 +137,10 @@ def average_params(
     picked = [i for i, (p, f) in enumerate(zip(leaves, flags)) if f and p is not None]
     for i in picked:
         check_averageable("average_params", leaves[i])
-    group = resolve_group("average_params", group)
-    if not picked or not in_group(group):
+    process_group = resolve_group("average_params", process_group)
+    if not picked or not in_group(process_group):
         return params
-    averaged = average_flat([leaves[i] for i in picked], group)
+    averaged = average_flat([leaves[i] for i in picked], process_group)
     new_leaves = list(leaves)
     for i, a in zip(picked, averaged):
         new_leaves[i] = a
@@ -152,6 +155,7 @@ def check_averageable(api: str, t: Any) -> None:
         raise ValueError(f"{api}: expected floating-point or complex tensors, got {t.dtype}")
 
 
+@renamed_keyword("local_sgd_step", "group", "process_group")
 @fails_together("local_sgd_step")
 def local_sgd_step(
     tx: Transformation,
@@ -162,17 +166,18 @@ def local_sgd_step(
     step: int,
     period: int,
     warmup_steps: int = 0,
-    group: ProcessGroup | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> tuple[PyTree, Any]:
-    """One step of post-local SGD: a local update by ``tx``, then maybe an average across ``group``.
+    """One step of post-local SGD: a local update by ``tx``, then maybe an average across
+    ``process_group``.
 
     Returns ``(new_params, new_state)``: ``tx``'s update applied to ``params`` and, when
     :func:`averaging_due` says so for ``step`` (the number of steps taken before this one), the
-    parameters averaged across ``group`` (default: the whole world). As torch's averagers do, only
-    parameters with a gradient (a non-``None`` leaf of ``grads``) are averaged. The functional
-    counterpart of ``PostLocalSGDOptimizer(optim, PeriodicModelAverager(period, warmup_steps))``.
-    The inputs are not modified. A collective on averaging steps: every rank of ``group`` calls it
-    with the same ``step``, ``period`` and ``warmup_steps``.
+    parameters averaged across ``process_group`` (default: the whole world). As torch's averagers
+    do, only parameters with a gradient (a non-``None`` leaf of ``grads``) are averaged. The
+    functional counterpart of ``PostLocalSGDOptimizer(optim, PeriodicModelAverager(period,
+    warmup_steps))``. The inputs are not modified. A collective on averaging steps: every rank of
+    ``process_group`` calls it with the same ``step``, ``period`` and ``warmup_steps``.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -195,5 +200,5 @@ def local_sgd_step(
     updates, state = tx.update(grads, state, params)
     params = apply_updates(params, updates)
     if due:
-        params = average_params(params, group, where=grads)
+        params = average_params(params, process_group, where=grads)
     return params, state

@@ -22,7 +22,7 @@ __all__ = ["Masters", "build_masters", "join_remainder", "split_remainder"]
 # master lives (a ``GroupMaster`` per group); the update, the checkpoints and the byte counts
 # ask it, never the options:
 #
-# - ``StoredMaster``: a compact shard in the master dtype ([Note: flat storage]), 4 bytes per
+# - ``StoredMaster``: a compact shard in the master dtype ([Note: buffer storage]), 4 bytes per
 #   owned element in float32; the update runs on views of it, ``write_back`` rounds it into the
 #   parameters.
 # - ``RemainderMaster`` (``master_remainders=True``, bfloat16 groups only): the rank's own
@@ -154,19 +154,19 @@ class GroupMaster(Protocol):
     def reset(self) -> None: ...
 
 
-def _part(layout: ParamBuffers, compact: torch.Tensor, key: BucketKey) -> torch.Tensor:
+def _part(param_buffers: ParamBuffers, compact: torch.Tensor, key: BucketKey) -> torch.Tensor:
     """Bucket ``key``'s part of ``compact``, a compact shard of its group."""
-    off = layout.shard_offsets[key]
-    return compact[off : off + layout.bucket(key).shards[layout.rank]]
+    off = param_buffers.shard_offsets[key]
+    return compact[off : off + param_buffers.bucket(key).shards[param_buffers.rank]]
 
 
 class StoredMaster:
     """A compact shard of the group's masters in their dtype (float32: 4 bytes per owned
     element)."""
 
-    def __init__(self, layout: ParamBuffers, g: int, dtype: torch.dtype) -> None:
-        self.layout, self.g, self.dtype = layout, g, dtype
-        self.stored = layout.copy_shard_out(g).to(dtype)
+    def __init__(self, param_buffers: ParamBuffers, g: int, dtype: torch.dtype) -> None:
+        self.param_buffers, self.g, self.dtype = param_buffers, g, dtype
+        self.stored = param_buffers.copy_shard_out(g).to(dtype)
 
     def open(self, key: BucketKey) -> tuple[torch.Tensor, int]:
         """The float32 tensor holding bucket ``key``'s masters, and its first compact offset."""
@@ -175,7 +175,7 @@ class StoredMaster:
     def write_back(self, key: BucketKey) -> None:
         """Rounds bucket ``key``'s masters into its shard of the parameter buffer."""
         with torch.no_grad():
-            self.layout.bucket_shard(key).copy_(_part(self.layout, self.stored, key))
+            self.param_buffers.bucket_shard(key).copy_(_part(self.param_buffers, self.stored, key))
 
     def full(self) -> torch.Tensor:
         return self.stored
@@ -187,7 +187,7 @@ class StoredMaster:
 
     def reset(self) -> None:
         with torch.no_grad():
-            self.stored.copy_(self.layout.copy_shard_out(self.g))
+            self.stored.copy_(self.param_buffers.copy_shard_out(self.g))
 
 
 class RemainderMaster:
@@ -196,10 +196,10 @@ class RemainderMaster:
 
     dtype = torch.float32
 
-    def __init__(self, layout: ParamBuffers, g: int) -> None:
-        self.layout, self.g = layout, g
-        numel = sum(b.shards[layout.rank] for b in layout.plan.groups[g].buckets)
-        device = layout.buffers[g].device
+    def __init__(self, param_buffers: ParamBuffers, g: int) -> None:
+        self.param_buffers, self.g = param_buffers, g
+        numel = sum(b.shards[param_buffers.rank] for b in param_buffers.plan.groups[g].buckets)
+        device = param_buffers.buffers[g].device
         self.stored = torch.zeros(numel, dtype=torch.int16, device=device)  # masters = params
         self._open: dict[BucketKey, torch.Tensor] = {}
         self._scratch: torch.Tensor | None = None  # one bucket's float32, kept between steps
@@ -208,34 +208,37 @@ class RemainderMaster:
         """Bucket ``key``'s masters reconstructed into a float32 temporary (held until
         ``write_back(key)``; the kept scratch when no other bucket is open), and its first
         compact offset."""
-        hi, lo = self.layout.bucket_shard(key), _part(self.layout, self.stored, key)
+        hi, lo = self.param_buffers.bucket_shard(key), _part(self.param_buffers, self.stored, key)
         out = None
         if not self._open:
             if self._scratch is None:
                 largest = max(
-                    b.shards[self.layout.rank] for b in self.layout.plan.groups[self.g].buckets
+                    b.shards[self.param_buffers.rank]
+                    for b in self.param_buffers.plan.groups[self.g].buckets
                 )
                 self._scratch = torch.empty(largest, dtype=torch.float32, device=lo.device)
             out = self._scratch[: lo.numel()]
         self._open[key] = join_remainder(hi, lo, out)
-        return self._open[key], self.layout.shard_offsets[key]
+        return self._open[key], self.param_buffers.shard_offsets[key]
 
     def write_back(self, key: BucketKey) -> None:
         """Splits bucket ``key``'s temporary into its parameter shard and its remainders."""
         temp = self._open.pop(key, None)
         if temp is not None:
-            rem = _part(self.layout, self.stored, key)
-            split_remainder(temp, self.layout.bucket_shard(key), rem)
+            rem = _part(self.param_buffers, self.stored, key)
+            split_remainder(temp, self.param_buffers.bucket_shard(key), rem)
 
     def full(self) -> torch.Tensor:
-        return join_remainder(self.layout.copy_shard_out(self.g), self.stored)
+        return join_remainder(self.param_buffers.copy_shard_out(self.g), self.stored)
 
     def load(self, src: torch.Tensor) -> None:
         """The masters from float32 ``src``: the remainders, and the parameter shard (its
         bfloat16 halves), so that the join gives ``src`` exactly."""
-        for key in (k for k in self.layout.keys if k[0] == self.g):
-            rem = _part(self.layout, self.stored, key)
-            split_remainder(_part(self.layout, src, key), self.layout.bucket_shard(key), rem)
+        for key in (k for k in self.param_buffers.keys if k[0] == self.g):
+            rem = _part(self.param_buffers, self.stored, key)
+            split_remainder(
+                _part(self.param_buffers, src, key), self.param_buffers.bucket_shard(key), rem
+            )
 
     def reset(self) -> None:
         self.stored.zero_()  # a bfloat16 parameter is its own float32 master
@@ -246,8 +249,8 @@ class Masters(Sequence["torch.Tensor | None"]):
     sequence of the stored tensors, and the float32 views the update runs on (see
     [Note: master weights])."""
 
-    def __init__(self, layout: ParamBuffers, groups: Sequence[GroupMaster | None]) -> None:
-        self.layout, self.groups = layout, tuple(groups)
+    def __init__(self, param_buffers: ParamBuffers, groups: Sequence[GroupMaster | None]) -> None:
+        self.param_buffers, self.groups = param_buffers, tuple(groups)
 
     @overload
     def __getitem__(self, g: int) -> torch.Tensor | None: ...
@@ -276,12 +279,12 @@ class Masters(Sequence["torch.Tensor | None"]):
         """Points ``params`` (one per piece) of the pieces of buckets ``keys`` with masters at
         float32 views of them; ``write_back(key)`` after each bucket's update."""
         for key in keys:
-            master, (lo, hi) = self.groups[key[0]], self.layout.piece_ranges[key]
+            master, (lo, hi) = self.groups[key[0]], self.param_buffers.piece_ranges[key]
             if master is None or lo == hi:
                 continue
             src, base = master.open(key)
             for i in range(lo, hi):
-                p = self.layout.pieces[i]
+                p = self.param_buffers.pieces[i]
                 params[i] = src[p.offset - base : p.offset - base + p.numel]
 
     def write_back(self, key: BucketKey) -> None:
@@ -319,17 +322,17 @@ class Masters(Sequence["torch.Tensor | None"]):
 
 
 def build_masters(
-    layout: ParamBuffers, dtypes: Sequence[torch.dtype | None], remainders: bool
+    param_buffers: ParamBuffers, dtypes: Sequence[torch.dtype | None], remainders: bool
 ) -> Masters:
-    """The masters of ``layout``'s groups: ``dtypes[g]`` (None: none), as 16-bit remainders of
+    """The masters of ``param_buffers``' groups: ``dtypes[g]`` (None: none), as 16-bit remainders of
     the bfloat16 groups where ``remainders`` (float32 masters only; [Note: master remainders]).
     """
     groups: list[GroupMaster | None] = []
-    for g, (buf, m) in enumerate(zip(layout.buffers, dtypes)):
+    for g, (buf, m) in enumerate(zip(param_buffers.buffers, dtypes)):
         if m is None:
             groups.append(None)
         elif remainders and m is torch.float32 and buf.dtype is torch.bfloat16:
-            groups.append(RemainderMaster(layout, g))
+            groups.append(RemainderMaster(param_buffers, g))
         else:
-            groups.append(StoredMaster(layout, g, m))
-    return Masters(layout, groups)
+            groups.append(StoredMaster(param_buffers, g, m))
+    return Masters(param_buffers, groups)

@@ -102,8 +102,8 @@ def is_split(p: Any) -> bool:
     return mesh is not None and any(pl.is_shard() for pl in p.placements)
 
 
-def tensor_parallel(params: Sequence[Any], layout: ParamBuffers) -> TensorParallel | None:
-    """Which of the layout's pieces belong to DTensors sharded over a tensor-parallel group,
+def tensor_parallel(params: Sequence[Any], param_buffers: ParamBuffers) -> TensorParallel | None:
+    """Which of the ParamBuffers' pieces belong to DTensors sharded over a tensor-parallel group,
     and that group; None without any (see [Note: tensor-parallel norms])."""
     groups, flags = set(), []
     for p in params:
@@ -120,7 +120,7 @@ def tensor_parallel(params: Sequence[Any], layout: ParamBuffers) -> TensorParall
         raise ValueError("shard: expected the DTensor parameters on one tensor-parallel mesh")
     if not groups:
         return None
-    return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in layout.pieces))
+    return TensorParallel(groups.pop(), tuple(flags[p.tensor] for p in param_buffers.pieces))
 
 
 class GlobalPlace(NamedTuple):

@@ -11,16 +11,16 @@ from shardopt.core import Plan
 from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey, BucketMap
 from shardopt.functional.engine._collectives import Algorithm, Pending, ProcessGroup
-from shardopt.functional.engine._storage import FlatStorage, ParamStorage, StagedStorage
+from shardopt.functional.engine._storage import ParamStorage, StagedStorage, ViewStorage
 
 __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 
 # [Note: engine]
 # One ParamBuffers per sharded optimizer owns what moves parameters: the flat parameter buffer of
-# each plan group (the parameters are views of it, see [Note: flat storage]), the buckets the
+# each plan group (the parameters are views of it, see [Note: buffer storage]), the buckets the
 # plan cut it into, and the parameter gathers in flight. The gradient half (this rank's gradient
 # shards, their staging, the bucket reductions and readiness) is ``GradShards`` ([Note: gradient
-# shards] in _reduction.py), owned by the gradient reducer; it reads the layout's buckets and
+# shards] in _reduction.py), owned by the gradient reducer; it reads the ParamBuffers' buckets and
 # options. Everything else maps ranges of them: the update reads and writes piece views,
 # checkpoints read the shards. Every collective is per bucket and never leaves the bucket's
 # memory:
@@ -32,7 +32,7 @@ __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 #   nothing between buckets; the update's loop writes each bucket's pieces just before).
 # - gradient reduction: ``GradShards.start_reduce`` / ``finish_reduce``.
 #
-# Where the parameters live is the layout's storage, chosen when it is built ([Note: parameter
+# Where the parameters live is the ParamBuffers' storage, chosen when it is built ([Note: parameter
 # storage] in _storage.py): views of the flat buffers, or their own storage synced through
 # staging rows.
 #
@@ -41,7 +41,7 @@ __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 # order (backward produces the last gradients first), each launched as soon as its bucket and
 # every later one are ready (see [Note: overlap with backward] in _hooks.py).
 #
-# [Note: flat storage]
+# [Note: buffer storage]
 # ``build_param_buffers`` copies each parameter into its place in its group's buffer and sets
 # ``p.data`` to the view of that place, so the module, autograd and the optimizer all see the
 # same memory.
@@ -96,7 +96,7 @@ class ParamBuffers(BucketMap):
         self.reduce_dtype = reduce_dtype
         self.comm_dtype = comm_dtype  # gradients on the wire ([Note: wire dtype])
         super().__init__(plan, rank, buffers)
-        self._storage = storage or FlatStorage(
+        self._storage = storage or ViewStorage(
             plan, self.buffers, group=group, algorithm=self.algorithm
         )
         self.scope: Any = None  # the update's core Scope, set by shard's init
@@ -135,8 +135,7 @@ class ParamBuffers(BucketMap):
     # -- parameter sync ------------------------------------------------------------------------
 
     def start_param_sync(self, key: BucketKey) -> None:
-        """Launches bucket ``key``'s sync in the layout's storage (see [Note: deferred parameter
-        sync])."""
+        """Launches bucket ``key``'s sync in this storage (see [Note: deferred parameter sync])."""
         self.wait_params((key,))
         self._params[key] = self._storage.gather(key)
         self.synced = min(self.synced, self._order[key])
@@ -201,19 +200,19 @@ def build_param_buffers(
     reduce_dtype: torch.dtype | None = None,
     comm_dtype: torch.dtype | None = None,
     replicate: ProcessGroup | None = None,
-    storage: str = "flat",
+    storage: str = "views",
 ) -> ParamBuffers:
-    """Allocates the flat buffers, copies ``params`` in and re-points them as views.
+    """Allocates the parameter buffers, copies ``params`` in and re-points them as views.
 
-    See [Note: flat storage]. ``params`` must match ``plan.tensors`` (checked by the caller).
-    With ``storage="staged"`` the parameters keep their storage, and the layout serves their
+    See [Note: buffer storage]. ``params`` must match ``plan.tensors`` (checked by the caller).
+    With ``storage="staged"`` the parameters keep their storage, and the ParamBuffers serves their
     syncs only ([Note: parameter storage]).
 
     Example:
         >>> from shardopt.core import plan_partition
         >>> params = [torch.ones(2, 2), torch.zeros(3)]
-        >>> layout = build_param_buffers(plan_partition(params, 1, align=8), params, 0)
-        >>> params[0].data_ptr() == layout.buffers[0].data_ptr(), layout.buffers[0].numel()
+        >>> buffers = build_param_buffers(plan_partition(params, 1, align=8), params, 0)
+        >>> params[0].data_ptr() == buffers.buffers[0].data_ptr(), buffers.buffers[0].numel()
         (True, 8)
     """
     if storage == "staged":

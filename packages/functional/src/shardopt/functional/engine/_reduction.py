@@ -34,7 +34,7 @@ __all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replic
 # [Note: gradient shards]
 # The gradient half of the engine, apart from the parameter half (``ParamBuffers``) and owned by
 # the one that reduces: ``GradReducer`` in _hooks.py (a sharded state that reduces gradients
-# has one; stage 1 with ``grads_averaged`` has none). It reads the layout's buckets and options
+# has one; stage 1 with ``grads_averaged`` has none). It reads the ParamBuffers' buckets and options
 # (group, algorithm, ``reduce_dtype``, ``comm_dtype``, ``replicate``) and never calls back:
 #
 # - ``start_reduce(key, grads)`` / ``finish_reduce()``: a bucket's tensors are whole and
@@ -68,7 +68,7 @@ __all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replic
 # 2 (R - 1) / R in the shard's dtype for the all-reduce (0.75 of it for float32 shards).
 # Whatever ``algorithm`` says for parameters, these reductions use these calls; the cost model
 # prices them with the same rules (``reduce_scratch_numel``, ``bucket_calls`` with ``widened``,
-# ``replica_chunks``). The layout picks its Reduction once, at construction (``WireReduction``
+# ``replica_chunks``). The ParamBuffers picks its Reduction once, at construction (``WireReduction``
 # with a ``comm_dtype``, ``PlainReduction`` without).
 
 
@@ -186,42 +186,46 @@ Reduction: TypeAlias = PlainReduction | WireReduction
 LocalGrads: TypeAlias = Mapping[int, "torch.Tensor | None"] | Sequence["torch.Tensor | None"]
 
 
-def _reduction_for(layout: ParamBuffers) -> Reduction:
+def _reduction_for(param_buffers: ParamBuffers) -> Reduction:
     """The gradient reduction (chosen once): on a ``comm_dtype`` wire, summed in
     ``reduce_dtype`` or the wider of float32 and each group's dtype; else plain."""
-    if layout.comm_dtype is None:
-        return PlainReduction(layout.group, layout.replicate, layout.algorithm)
-    dtypes = [getattr(torch, g.dtype) for g in layout.plan.groups]
-    sums = tuple(layout.reduce_dtype or torch.promote_types(torch.float32, d) for d in dtypes)
-    return WireReduction(layout.group, layout.replicate, layout.comm_dtype, sums)
+    if param_buffers.comm_dtype is None:
+        return PlainReduction(param_buffers.group, param_buffers.replicate, param_buffers.algorithm)
+    dtypes = [getattr(torch, g.dtype) for g in param_buffers.plan.groups]
+    sums = tuple(
+        param_buffers.reduce_dtype or torch.promote_types(torch.float32, d) for d in dtypes
+    )
+    return WireReduction(
+        param_buffers.group, param_buffers.replicate, param_buffers.comm_dtype, sums
+    )
 
 
 class GradShards:
-    """This rank's compact gradient shard of each group of ``layout``, and the bucket
+    """This rank's compact gradient shard of each group of ``param_buffers``, and the bucket
     reductions that fill them (see [Note: gradient shards])."""
 
-    def __init__(self, layout: ParamBuffers) -> None:
-        self.layout = layout
-        self.reduction = _reduction_for(layout)  # [Note: wire dtype]
+    def __init__(self, param_buffers: ParamBuffers) -> None:
+        self.param_buffers = param_buffers
+        self.reduction = _reduction_for(param_buffers)  # [Note: wire dtype]
         self._shards: tuple[torch.Tensor, ...] = ()
         self._staging: GradStaging | None = None
         self._queue = PendingQueue()
         self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
-        self.order = tuple(reversed(layout.keys))  # the launch order: the last bucket first
+        self.order = tuple(reversed(param_buffers.keys))  # the launch order: the last bucket first
         self._next = 0  # the next bucket of order to launch
 
     @property
     def shards(self) -> tuple[torch.Tensor, ...]:
         """The gradient shards (allocated, zero, on first use)."""
         if not self._shards:
-            layout = self.layout
+            param_buffers = self.param_buffers
             self._shards = tuple(
                 torch.zeros(
-                    grp.shard_numels[layout.rank],
-                    dtype=layout.reduce_dtype or layout.buffers[g].dtype,
-                    device=layout.buffers[g].device,
+                    grp.shard_numels[param_buffers.rank],
+                    dtype=param_buffers.reduce_dtype or param_buffers.buffers[g].dtype,
+                    device=param_buffers.buffers[g].device,
                 )
-                for g, grp in enumerate(layout.plan.groups)
+                for g, grp in enumerate(param_buffers.plan.groups)
             )
         return self._shards
 
@@ -238,17 +242,20 @@ class GradShards:
     def _staging_for(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor, Hashable]:
         """Bucket ``key``'s staging, its reduction's scratch (maybe empty) and their tag."""
         if self._staging is None:
-            layout, groups = self.layout, range(len(self.layout.plan.groups))
+            param_buffers, groups = self.param_buffers, range(len(self.param_buffers.plan.groups))
             dtypes = tuple(
-                layout.comm_dtype or layout.reduce_dtype or layout.buffers[g].dtype for g in groups
+                param_buffers.comm_dtype
+                or param_buffers.reduce_dtype
+                or param_buffers.buffers[g].dtype
+                for g in groups
             )
-            devices = tuple(layout.buffers[g].device for g in groups)
+            devices = tuple(param_buffers.buffers[g].device for g in groups)
             self._staging = GradStaging(
-                layout.plan,
+                param_buffers.plan,
                 dtypes,
                 devices,
-                layout.algorithm,
-                layout.group,
+                param_buffers.algorithm,
+                param_buffers.group,
                 widened=self.reduction.widened,
             )
         return self._staging.take(key, self._queue)
@@ -257,23 +264,25 @@ class GradShards:
         """Packs bucket ``key``'s local gradients (``grads[t]`` per plan tensor ``t`` of it:
         a list over the plan, or a dict over the bucket) and launches their average into this
         rank's gradient shard (added to it with ``accumulate``)."""
-        layout, shards = self.layout, self.shards
+        param_buffers, shards = self.param_buffers, self.shards
         staging, scratch, tag = self._staging_for(key)
-        for lo, hi in layout.gaps[key]:  # padding: zeros (touched only here, not the whole slot)
+        for lo, hi in param_buffers.gaps[
+            key
+        ]:  # padding: zeros (touched only here, not the whole slot)
             staging[lo:hi].zero_()
-        for t, lo, n in layout.packing[key]:
+        for t, lo, n in param_buffers.packing[key]:
             grad = grads[t]
             if grad is None:
                 staging[lo : lo + n].zero_()
             else:
                 staging[lo : lo + n].copy_(grad.reshape(-1))
-        out = layout.compact(shards, key)
-        part = out if layout.replicate is None else torch.empty_like(out)
+        out = param_buffers.compact(shards, key)
+        part = out if param_buffers.replicate is None else torch.empty_like(out)
         g = key[0]
         pending = self.reduction.bucket(
             g,
             staging,
-            layout.bucket(key),
+            param_buffers.bucket(key),
             part,
             accumulate=accumulate and part is out,
             scratch=scratch,
@@ -294,16 +303,17 @@ class GradShards:
     def expect(self, trainable: Sequence[bool]) -> None:
         """Starts counting a backward pass: each bucket waits for the gradients of its tensors
         ``t`` with ``trainable[t]``."""
-        layout = self.layout
+        param_buffers = self.param_buffers
         self._expected = {
-            key: sum(1 for t in layout.bucket_tensors[key] if trainable[t]) for key in layout.keys
+            key: sum(1 for t in param_buffers.bucket_tensors[key] if trainable[t])
+            for key in param_buffers.keys
         }
         self._next = 0
 
     def mark_ready(self, t: int) -> list[BucketKey]:
         """Counts plan tensor ``t``'s gradient ready; returns the buckets to launch now, in
         order: each has all its gradients and every bucket after it is launched."""
-        self._expected[self.layout.touching[t]] -= 1
+        self._expected[self.param_buffers.touching[t]] -= 1
         start = self._next
         while self._next < len(self.order) and self._expected[self.order[self._next]] == 0:
             self._next += 1

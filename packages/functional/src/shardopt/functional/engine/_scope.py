@@ -38,15 +38,17 @@ def _named(group: ProcessGroup) -> ProcessGroup:
 
 
 class ShardReducer:
-    """Sums or maxes per-tensor partials over the ranks of ``group`` (the shard group: replicas of
-    a hybrid mesh hold the same pieces and are not counted twice), and over the tensor-parallel
-    group for tensors it splits ([Note: reductions over tensor-parallel tensors]). One
-    all-reduce per call (two with split tensors), of one float32 per plan tensor plus one for the
-    whole tree; ``calls`` counts the calls."""
+    """Sums or maxes per-tensor partials over the ranks of ``process_group`` (the shard group:
+    replicas of a hybrid mesh hold the same pieces and are not counted twice), and over the
+    tensor-parallel group for tensors it splits ([Note: reductions over tensor-parallel tensors]).
+    One all-reduce per call (two with split tensors), of one float32 per plan tensor plus one for
+    the whole tree; ``calls`` counts the calls."""
 
-    def __init__(self, group: ProcessGroup, n_tensors: int, device: torch.device | None) -> None:
-        self.group, self.n = _named(group), n_tensors
-        self.device = comm_device(group, device)
+    def __init__(
+        self, process_group: ProcessGroup, n_tensors: int, device: torch.device | None
+    ) -> None:
+        self.process_group, self.n = _named(process_group), n_tensors
+        self.device = comm_device(process_group, device)
         self.calls = 0
         self.split: tuple[ProcessGroup, tuple[bool, ...]] | None = None
         self._masks: dict[int, torch.Tensor] = {}  # trees -> the split slots, made once
@@ -75,7 +77,7 @@ class ShardReducer:
         if op == "rows":  # already one slot per row of every tensor: summed as it is
             self._refuse_split("row sums (row_norm), whose rows tensor parallelism cuts")
             vector = values.to(self.device, torch.float32).clone()
-            return self._all_reduce(vector, "sum", self.group)
+            return self._all_reduce(vector, "sum", self.process_group)
         width = self.n + 1
         offsets = parts if parts else [0] * len(ids)
         slots_list = [k * width + (self.n if i < 0 else i) for i, k in zip(ids, offsets)]
@@ -88,7 +90,8 @@ class ShardReducer:
             vector.index_add_(0, slots, values)
         else:
             vector.scatter_reduce_(0, slots, values, reduce="amax", include_self=True)
-        vector = self._over_tensor_parallel(self._all_reduce(vector, op, self.group), op, trees)
+        vector = self._all_reduce(vector, op, self.process_group)
+        vector = self._over_tensor_parallel(vector, op, trees)
         return _total(vector, op) if total else vector[slots]
 
     def _all_reduce(self, vector: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:

@@ -15,9 +15,10 @@ from shardopt.core.blocks import in_scope, needs_whole_tensors, partition_rule
 from shardopt.functional.engine._collectives import ProcessGroup, all_reduce_op, comm_device
 from shardopt.functional.engine._masters import Masters
 from shardopt.functional.engine._param_buffers import ParamBuffers
+from shardopt.functional.engine._renamed import warn_renamed
 
 __all__ = [
-    "FieldKind",
+    "FieldGranularity",
     "Labels",
     "ShardedState",
     "StateField",
@@ -36,31 +37,31 @@ __all__ = [
 # [Note: sharded state layout]
 # ``init`` returns a ShardedState; on rank r it holds only what rank r owns:
 #
-# - ``layout`` (a ParamBuffers, the engine of [Note: engine]): ``plan``, ``rank``, ``buffers[g]``
+# - ``param_buffers`` (a ParamBuffers, [Note: engine]): ``plan``, ``rank``, ``buffers[g]``
 #   the full flat parameter buffer of ``plan.groups[g]`` (the parameters are views of it),
 #   ``pieces = plan.pieces(rank)``, the gradient shards and the collectives in flight.
 # - ``inner``: ``tx.init(pieces)`` where ``pieces`` is the list of this rank's pieces as 1-D views
 #   (of ``master.full(g)`` where that is set, of the parameter buffer otherwise). Piece
-#   k of the list is ``layout.pieces[k]``. Its per-piece lists (the "fields", e.g. the ``mu`` of
-#   Adam, a list with one tensor per piece) are re-pointed into flat storage:
+#   k of the list is ``param_buffers.pieces[k]``. Its per-piece lists (the "fields", e.g. the ``mu``
+#   of Adam, a list with one tensor per piece) are re-pointed into flat storage:
 # - ``fields``: one StateField per field, in ``tree_flatten`` order of ``inner``, with ``path``
-#   the pytree key path of the field in ``inner`` (e.g. ``"[1].mu"``), ``kind`` and ``buffers``
-#   (one per plan group g):
-#     ELEMENTWISE: ``buffers[g]`` is compact ([Note: flat storage]): ``shard_numels[rank]``
+#   the pytree key path of the field in ``inner`` (e.g. ``"[1].mu"``), ``granularity`` and
+#   ``buffers`` (one per plan group g):
+#     ELEMENTWISE: ``buffers[g]`` is compact ([Note: buffer storage]): ``shard_numels[rank]``
 #       elements, the state of piece k at ``[piece.offset, piece.offset + piece.numel)``, the
 #       rank's shards of the group's buckets end to end; padding holds zeros.
 #     PER_PIECE: one value per piece (a 0-d leaf, e.g. the per-parameter step count):
-#       ``buffers[g][j]`` is the value of the j-th piece of group g in ``layout.pieces``. The
+#       ``buffers[g][j]`` is the value of the j-th piece of group g in ``param_buffers.pieces``. The
 #       pieces of one tensor on different ranks hold the same value (they see the same gradients),
 #       so a consolidated state takes it from the rank owning the tensor's first element.
-#   The field set, kinds and dtypes are the same on every rank (found by ``probe_fields`` from
-#   the plan, not from the pieces), so ranks owning nothing still hold (zero) buffers.
+#   The field set, granularities and dtypes are the same on every rank (found by ``probe_fields``
+#   from the plan, not from the pieces), so ranks owning nothing still hold (zero) buffers.
 # - ``master`` (a Masters, [Note: master weights] in engine/_masters.py): ``master[g]`` the
 #   rank's compact shard of the float32 (``master_dtype``) master weights of a low precision
 #   group, laid out like the ELEMENTWISE fields, or None; with ``master_remainders`` a bfloat16
 #   group's is an int16 shard of remainders instead ([Note: master remainders]), and
 #   ``master.full(g)`` gives the float32 masters of either.
-# - ``reducer``: the gradient reducer (hooks; the gradient shards are the layout's) when the
+# - ``reducer``: the gradient reducer (hooks; its GradShards hold the gradient shards) when the
 #   sharded transformation reduces gradients (stage 2; stage 1 without ``grads_averaged``).
 # - ``stats``: the global gradient norm and whether the last step was skipped (or None).
 # - ``labels``: for a core ``partition``, each plan tensor's label and each label's fields (see
@@ -71,7 +72,7 @@ __all__ = [
 # state are neither: see [Note: hyperparameters of a sharded state].
 
 
-class FieldKind(enum.Enum):
+class FieldGranularity(enum.Enum):
     """How a state field is stored: one element per parameter element, or one value per piece."""
 
     ELEMENTWISE = "elementwise"
@@ -82,7 +83,7 @@ class StateField(NamedTuple):
     """A per-piece field of the optimizer state, in flat storage ([Note: sharded state layout])."""
 
     path: str
-    kind: FieldKind
+    granularity: FieldGranularity
     buffers: tuple[torch.Tensor, ...]
 
 
@@ -98,11 +99,17 @@ class ShardedState(NamedTuple):
 
     inner: Any
     fields: tuple[StateField, ...]
-    layout: ParamBuffers
+    param_buffers: ParamBuffers
     master: Masters
     reducer: Any
     stats: StepStats | None
     labels: Labels | None = None
+
+    @property
+    def layout(self) -> ParamBuffers:
+        """Renamed :attr:`param_buffers` (issue 39); warns, and goes in a later release."""
+        warn_renamed("ShardedState.layout", "ShardedState.param_buffers")
+        return self.param_buffers
 
 
 def piece_list_pred(n: int) -> Callable[[Any], bool]:
@@ -124,8 +131,9 @@ def _key(path: tuple[Any, ...]) -> str:
 
 def probe_fields(
     tx: Transformation, probes: Sequence[torch.Tensor]
-) -> dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]]:
-    """The fields of ``tx``'s state, with their kind and dtype per group, from one probe per group.
+) -> dict[str, tuple[FieldGranularity, tuple[torch.dtype, ...]]]:
+    """The fields of ``tx``'s state, with their granularity and dtype per group, from one probe
+    per group.
 
     ``probes[g]`` is a 2-element tensor of the dtype and device the pieces of group ``g`` have
     (2 x 3 for whole-tensor transformations). A field whose probe leaves all have their probe's
@@ -139,26 +147,26 @@ def probe_fields(
         if not piece_list_pred(len(probes))(leaf) or any(e is None for e in leaf):
             continue
         if all(e.shape == q.shape for e, q in zip(leaf, probes)):
-            out[_key(path)] = (FieldKind.ELEMENTWISE, tuple(e.dtype for e in leaf))
+            out[_key(path)] = (FieldGranularity.ELEMENTWISE, tuple(e.dtype for e in leaf))
         elif all(e.dim() == 0 for e in leaf):
-            out[_key(path)] = (FieldKind.PER_PIECE, tuple(e.dtype for e in leaf))
+            out[_key(path)] = (FieldGranularity.PER_PIECE, tuple(e.dtype for e in leaf))
     return out
 
 
 def flatten_state(
     inner: Any,
-    layout: ParamBuffers,
-    probed: dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]],
+    param_buffers: ParamBuffers,
+    probed: dict[str, tuple[FieldGranularity, tuple[torch.dtype, ...]]],
 ) -> tuple[Any, tuple[StateField, ...], bool]:
     """Moves the fields of ``inner = tx.init(pieces)`` into flat buffers; their leaves become views.
 
     Returns ``(inner, fields, sliceable)``: ``sliceable`` is False when ``inner`` holds tensors
     outside fields, which :func:`slice_state` cannot split by pieces.
     """
-    n = len(layout.pieces)
+    n = len(param_buffers.pieces)
     is_field = piece_list_pred(n)
     leaves, spec = pytree.tree_flatten_with_path(inner, is_leaf=is_field)
-    index_in_group = piece_slots(layout)
+    index_in_group = piece_slots(param_buffers)
     fields: list[StateField] = []
     new_leaves: list[Any] = []
     sliceable = True
@@ -168,18 +176,18 @@ def flatten_state(
             sliceable = sliceable and not _holds_tensors(leaf)
             new_leaves.append(leaf)
             continue
-        kind, dtypes = info
-        buffers = _alloc(layout, kind, dtypes)
+        granularity, dtypes = info
+        buffers = _alloc(param_buffers, granularity, dtypes)
         views = []
-        for k, (piece, value) in enumerate(zip(layout.pieces, leaf)):
+        for k, (piece, value) in enumerate(zip(param_buffers.pieces, leaf)):
             buf = buffers[piece.group]
-            if kind is FieldKind.ELEMENTWISE:  # in the value's shape: a whole tensor's, maybe
+            if granularity is FieldGranularity.ELEMENTWISE:  # in its shape: a whole tensor's, maybe
                 view = buf[piece.offset : piece.offset + piece.numel].view(value.shape)
             else:
                 view = buf[index_in_group[k]]
             view.copy_(value)
             views.append(view)
-        fields.append(StateField(_key(path), kind, buffers))
+        fields.append(StateField(_key(path), granularity, buffers))
         new_leaves.append(views)
     return pytree.tree_unflatten(new_leaves, spec), tuple(fields), sliceable
 
@@ -188,26 +196,30 @@ def _holds_tensors(leaf: Any) -> bool:
     return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(leaf))
 
 
-def piece_slots(layout: ParamBuffers) -> list[int]:
-    """For each piece of ``layout``, its index among the pieces of its group (PER_PIECE slot)."""
-    counts = [0] * len(layout.plan.groups)
+def piece_slots(param_buffers: ParamBuffers) -> list[int]:
+    """For each piece of ``param_buffers``, its index among its group's pieces (PER_PIECE slot)."""
+    counts = [0] * len(param_buffers.plan.groups)
     out = []
-    for piece in layout.pieces:
+    for piece in param_buffers.pieces:
         out.append(counts[piece.group])
         counts[piece.group] += 1
     return out
 
 
 def _alloc(
-    layout: ParamBuffers, kind: FieldKind, dtypes: tuple[torch.dtype, ...]
+    param_buffers: ParamBuffers, granularity: FieldGranularity, dtypes: tuple[torch.dtype, ...]
 ) -> tuple[torch.Tensor, ...]:
-    sizes = [0] * len(layout.plan.groups)
-    for piece in layout.pieces:
+    sizes = [0] * len(param_buffers.plan.groups)
+    for piece in param_buffers.pieces:
         sizes[piece.group] += 1
     out = []
-    for g, group in enumerate(layout.plan.groups):
-        numel = group.shard_numels[layout.rank] if kind is FieldKind.ELEMENTWISE else sizes[g]
-        out.append(torch.zeros(numel, dtype=dtypes[g], device=layout.buffers[g].device))
+    for g, group in enumerate(param_buffers.plan.groups):
+        numel = (
+            group.shard_numels[param_buffers.rank]
+            if granularity is FieldGranularity.ELEMENTWISE
+            else sizes[g]
+        )
+        out.append(torch.zeros(numel, dtype=dtypes[g], device=param_buffers.buffers[g].device))
     return tuple(out)
 
 
@@ -307,14 +319,14 @@ class Labels(NamedTuple):
     """The labels of a sharded partition (see [Note: labels of a sharded partition])."""
 
     of_tensor: tuple[Hashable | None, ...]
-    fields: dict[Hashable, dict[str, tuple[FieldKind, tuple[torch.dtype, ...]]]]
+    fields: dict[Hashable, dict[str, tuple[FieldGranularity, tuple[torch.dtype, ...]]]]
 
 
 def tensor_labels(
     tx: Transformation,
     pieces: Sequence[torch.Tensor],
     dtypes: Sequence[torch.dtype],
-    layout: ParamBuffers,
+    param_buffers: ParamBuffers,
     group: ProcessGroup,
 ) -> Labels | None:
     """The :class:`Labels` of ``tx`` over this rank's ``pieces`` if it is a core ``partition``,
@@ -324,11 +336,11 @@ def tensor_labels(
     if rule is None:
         return None
     order = list(rule.transforms)
-    n = len(layout.plan.tensors)
+    n = len(param_buffers.plan.tensors)
     codes = torch.full((2, n), -1, dtype=torch.int64)
-    with in_scope(layout.scope):  # labels of the whole tensors ([Note: kinds] in core)
+    with in_scope(param_buffers.scope):  # labels of the whole tensors ([Note: kinds] in core)
         of_pieces = rule.labels_of(list(pieces))
-    for piece, label in zip(layout.pieces, of_pieces):
+    for piece, label in zip(param_buffers.pieces, of_pieces):
         i = order.index(label)
         codes[0, piece.tensor] = max(int(codes[0, piece.tensor]), i)
         codes[1, piece.tensor] = max(int(codes[1, piece.tensor]), -i)

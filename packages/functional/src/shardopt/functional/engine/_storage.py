@@ -1,4 +1,4 @@
-"""Where a layout's parameters live, and how a bucket of them is synced: the two storages."""
+"""Where a ParamBuffers' parameters live, and how a bucket of them is synced: the two storages."""
 
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ from shardopt.functional.engine._collectives import (
 from shardopt.functional.engine._rooted import broadcast_from
 from shardopt.functional.engine._staging import Slots
 
-__all__ = ["FlatStorage", "ParamStorage", "StagedStorage"]
+__all__ = ["ViewStorage", "ParamStorage", "StagedStorage"]
 
 # [Note: parameter storage]
-# A layout's parameter syncs go through one storage, chosen when the layout is built and never
-# branched on afterwards (``build_param_buffers(..., storage=)``):
-# - "flat" (FlatStorage): the parameters are views of the layout's flat buffers ([Note: flat
+# A ParamBuffers' parameter syncs go through one storage, chosen when the ParamBuffers is built and
+# never branched on afterwards (``build_param_buffers(..., storage=)``):
+# - "views" (ViewStorage): the parameters are views of the parameter buffers ([Note: buffer
 #   storage]); a bucket's sync all-gathers its region of the buffer in place.
 # - "staged" (StagedStorage): the parameters keep their own storage, as torch's
-#   ZeroRedundancyOptimizer's do without bucket views ([Note: staged parameter sync]); the layout
-#   has no parameter buffers, and serves parameter syncs only.
+#   ZeroRedundancyOptimizer's do without bucket views ([Note: staged parameter sync]); the
+#   ParamBuffers has no parameter buffers, and serves parameter syncs only.
 # Either answers ``gather(key)`` (bucket ``key``'s sync, launched) and ``send_tensors(tensors)``
 # (some whole tensors of a greedy plan from their owners: the DDP comm hooks sync the parameters
-# of one DDP bucket at a time, one broadcast per owner and run of adjacent tensors). The layout
-# keeps the syncs in flight and their order (``start_param_sync``, ``wait_params``,
+# of one DDP bucket at a time, one broadcast per owner and run of adjacent tensors). The
+# ParamBuffers keeps the syncs in flight and their order (``start_param_sync``, ``wait_params``,
 # ``sync_params``) for both.
 #
 # [Note: staged parameter sync]
@@ -48,7 +48,7 @@ __all__ = ["FlatStorage", "ParamStorage", "StagedStorage"]
 
 
 class ParamStorage(Protocol):
-    """How a layout's parameters are synced (see [Note: parameter storage])."""
+    """How a ParamBuffers' parameters are synced (see [Note: parameter storage])."""
 
     def gather(self, key: tuple[int, int]) -> Pending:
         """Launches bucket ``key``'s sync; the Pending completes it."""
@@ -69,8 +69,8 @@ def _owner_runs(plan: Plan, tensors: Sequence[int]) -> list[tuple[int, int, list
     ]
 
 
-class FlatStorage:
-    """Parameters that are views of the layout's flat ``buffers``."""
+class ViewStorage:
+    """Parameters that are views of the ParamBuffers' flat ``buffers``."""
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardopt.core import InjectHyperparamsState, Plan, Transformation, update_flat_
+from shardopt.core import InjectHyperparamsState, Plan, Transformation, update_pieces_
 from shardopt.core.blocks import (
     Kind,
     PyTree,
@@ -98,7 +98,7 @@ def probe_scope(plan: Plan, tree: PyTree) -> Scope:
 
 
 # [Note: update and gather pipeline]
-# The rank's pieces are updated through core's flat fast path (``update_flat_``) one bucket at a
+# The rank's pieces are updated through core's piece fast path (``update_pieces_``) one bucket at a
 # time, in bucket order; once a bucket's pieces are updated (and, with master weights, written
 # into the rank's shard of the parameter buffer: [Note: master weights] in _masters.py) its
 # all-gather is launched, so the gather of
@@ -152,7 +152,7 @@ def _update(
         return
     n = len(params)
     state = inner if (lo, hi) == (0, n) else slice_state(inner, n, lo, hi)
-    update_flat_(tx, params[lo:hi], grads[lo:hi], state)
+    update_pieces_(tx, params[lo:hi], grads[lo:hi], state)
 
 
 def cut_for_whole(
@@ -192,20 +192,20 @@ def cut_for_whole(
     )
 
 
-def shaped(layout: ParamBuffers, views: Sequence[Any]) -> list[Any]:
+def shaped(param_buffers: ParamBuffers, views: Sequence[Any]) -> list[Any]:
     """Each piece's view in its tensor's shape where the plan owns it whole; 1-D (as it comes)
     where a mixed plan cuts it."""
-    plan = layout.plan
+    plan = param_buffers.plan
     return [
         v.view(plan.tensors[p.tensor].shape) if v is not None and plan.is_whole(p.tensor) else v
-        for v, p in zip(views, layout.pieces)
+        for v, p in zip(views, param_buffers.pieces)
     ]
 
 
 def update_and_sync(
     tx: Transformation,
     inner: Any,
-    layout: ParamBuffers,
+    param_buffers: ParamBuffers,
     grads: Sequence[torch.Tensor | None],
     master: Masters,
 ) -> None:
@@ -215,36 +215,36 @@ def update_and_sync(
     with master weights are updated on the float32 views ``master`` gives, bucket by bucket
     where the update is, and written back into the parameter buffer just before each bucket's
     gather ([Note: master weights]). Returns with the gathers in flight when param hooks are
-    registered (``layout.deferred``), else when they are done.
+    registered (``param_buffers.deferred``), else when they are done.
     """
-    params: list[torch.Tensor] = list(layout.param_views())
-    compiled = compiled_update(layout)  # [Note: compiled updates]: one call, then the gathers
+    params: list[torch.Tensor] = list(param_buffers.param_views())
+    compiled = compiled_update(param_buffers)  # [Note: compiled updates]: one call, then gathers
     if compiled is not None:
         with in_scope(compiled.scope):
             done = compiled.run(inner, params, grads, master)
         if done:
-            for key in layout.keys:  # each bucket's masters rounded in, then gathered
+            for key in param_buffers.keys:  # each bucket's masters rounded in, then gathered
                 master.write_back(key)
-                layout.start_param_sync(key)
-            layout.finish_param_syncs()
+                param_buffers.start_param_sync(key)
+            param_buffers.finish_param_syncs()
             return
     whole = needs_whole_tensors(tx)  # [Note: whole matrices]: pieces are whole tensors
     reducing = reduces(tx)
-    sliceable = _sliceable(inner, len(params)) and not (layout.deferred or whole or reducing)
+    sliceable = _sliceable(inner, len(params)) and not (param_buffers.deferred or whole or reducing)
     if not sliceable:  # one update of every piece: every bucket's masters at once
-        master.views_for_update(params, layout.keys)
-    with in_scope(layout.scope):  # masks and labels see whole tensors; blocks reduce
+        master.views_for_update(params, param_buffers.keys)
+    with in_scope(param_buffers.scope):  # masks and labels see whole tensors; blocks reduce
         if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
-            update_whole_(tx, shaped(layout, params), shaped(layout, grads), inner)
+            update_whole_(tx, shaped(param_buffers, params), shaped(param_buffers, grads), inner)
         elif not sliceable:
             _update(tx, inner, params, grads, 0, len(params), reducing)
 
-    for key in layout.keys:  # each bucket's pieces updated (where sliceable), then gathered
+    for key in param_buffers.keys:  # each bucket's pieces updated (where sliceable), then gathered
         if sliceable:
             master.views_for_update(params, (key,))
-            lo, hi = layout.piece_ranges[key]
-            with in_scope(_narrowed(layout.scope, lo, hi)):
+            lo, hi = param_buffers.piece_ranges[key]
+            with in_scope(_narrowed(param_buffers.scope, lo, hi)):
                 _update(tx, inner, params, grads, lo, hi)
         master.write_back(key)
-        layout.start_param_sync(key)
-    layout.finish_param_syncs()
+        param_buffers.start_param_sync(key)
+    param_buffers.finish_param_syncs()

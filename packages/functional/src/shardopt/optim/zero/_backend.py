@@ -64,8 +64,8 @@ class ZeroBackend(Protocol):
     def sync_all(self) -> None:
         """Syncs every parameter from the ranks that own it (collective)."""
 
-    def layouts(self) -> list[ParamBuffers]:
-        """The engine's layouts whose parameters are views of flat buffers."""
+    def view_buffers(self) -> list[ParamBuffers]:
+        """The engine's ParamBuffers whose parameters are views of flat buffers."""
 
     def hook_targets(self, api: str) -> list[Any]:
         """What ``register_param_hooks`` hooks (raises ValueError, naming ``api``, if none)."""
@@ -98,8 +98,9 @@ class OverlapBackend(Protocol):
     sync some of them ([Note: one backend])."""
 
     @property
-    def layout(self) -> ParamBuffers | None:
-        """The layout of bucket views (None without ``parameters_as_bucket_view``)."""
+    def bucket_views(self) -> ParamBuffers | None:
+        """The parameter buffers the parameters are views of (None without
+        ``parameters_as_bucket_view``)."""
 
     def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
         """Updates those of ``params`` this rank owns, without a sync (the DDP hooks)."""
@@ -118,18 +119,18 @@ class OverlapBackend(Protocol):
 # (flat) or is not synced (greedy, as torch's).
 
 
-def reseat(layout: ParamBuffers, params: Sequence[torch.Tensor]) -> None:
-    """Rebinds each of ``params`` (the layout's tensors, in order) that a same-device move copied
-    out of the flat buffers back to its view there, with its current value (see
+def reseat(param_buffers: ParamBuffers, params: Sequence[torch.Tensor]) -> None:
+    """Rebinds each of ``params`` (the plan's tensors, in order) that a same-device move copied out
+    of the parameter buffers back to its view there, with its current value (see
     [Note: re-seated parameters])."""
-    if layout.check_views(params) is None:
+    if param_buffers.check_views(params) is None:
         return  # the usual case: every parameter still a view of its buffer
     for t, p in enumerate(params):
-        g, _, offset = layout.plan.locate(t)
-        buf, n = layout.buffers[g], p.numel()
+        g, _, offset = param_buffers.plan.locate(t)
+        buf, n = param_buffers.buffers[g], p.numel()
         if type(p) not in (torch.Tensor, torch.nn.Parameter) or n == 0:
             continue  # a DTensor's local tensor cannot be rebound here
-        if p.data_ptr() == layout.address_of(t):
+        if p.data_ptr() == param_buffers.address_of(t):
             continue
         same_device = (p.device.type, p.device.index or 0) == (
             buf.device.type,
@@ -138,7 +139,7 @@ def reseat(layout: ParamBuffers, params: Sequence[torch.Tensor]) -> None:
         if (
             not same_device
             or p.dtype != buf.dtype
-            or tuple(p.shape) != layout.plan.tensors[t].shape
+            or tuple(p.shape) != param_buffers.plan.tensors[t].shape
         ):
             continue
         view = buf[offset : offset + n].view(p.shape)

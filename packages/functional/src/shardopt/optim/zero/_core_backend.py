@@ -69,12 +69,12 @@ class CoreBackend:
 
     def wait_params(self) -> None:
         """Waits for every group's gathers left in flight (param hooks)."""
-        for layout in self.layouts():
-            layout.wait_params()
+        for param_buffers in self.view_buffers():
+            param_buffers.wait_params()
 
-    def layouts(self) -> list[ParamBuffers]:
-        """Each sharded group's layout."""
-        return [u.state.layout for u in self.optim.units() if u is not None]
+    def view_buffers(self) -> list[ParamBuffers]:
+        """Each sharded group's ParamBuffers."""
+        return [u.state.param_buffers for u in self.optim.units() if u is not None]
 
     def hook_targets(self, api: str) -> list[Any]:
         """Each sharded group's state."""
@@ -98,8 +98,8 @@ class CoreBackend:
 
     def sync_all(self) -> None:
         """Every group's all-gather (collective)."""
-        for layout in self.layouts():
-            layout.sync_params()
+        for param_buffers in self.view_buffers():
+            param_buffers.sync_params()
 
     def load(
         self,

@@ -45,7 +45,7 @@ Factory = Callable[..., Transformation]
 # buffer per dtype, parameters cut between ranks where the slices fall, one parameter all-gather
 # per group and dtype. It reads like a torch.optim.Optimizer over this rank's slice:
 # - ``param_groups[i]``: the group's hyperparameters, with every key torch's class fills in, and
-#   ``"params"``: 1-D views of the pieces of parameters this rank updates (layout order).
+#   ``"params"``: 1-D views of the pieces of parameters this rank updates (plan order).
 # - ``state``: piece view -> {torch's state name: view of the piece's state}, for the pieces
 #   torch would have state for (stepped at least once; Adagrad: always). A snapshot of views,
 #   rebuilt on each access: writing into its tensors writes the optimizer's state.
@@ -128,15 +128,15 @@ class _Unit:
         self.sharded: ShardedTransformation = shard(
             tx,
             plan,
-            group=wire.reduce_over if local and wire.reduce_over is not None else group,
+            process_group=wire.reduce_over if local and wire.reduce_over is not None else group,
             stage=1,
             grads_averaged=not local,  # else DDP averaged them
             comm_dtype=wire.comm_dtype,
         )
         self.fields = self.structure(self.factory(**kwargs))
         self.state: ShardedState = self.sharded.init(params)
-        self.pieces = self.state.layout.param_views()
-        self.pieces = shaped(self.state.layout, self.pieces)  # whole tensors in their shapes
+        self.pieces = self.state.param_buffers.param_views()
+        self.pieces = shaped(self.state.param_buffers, self.pieces)  # whole tensors in their shapes
         self._initial: tuple[Any, dict[str, list[float]]] = (None, {})
 
     def structure(self, tx: Transformation) -> dict[str, Any]:
@@ -321,7 +321,7 @@ class CoreShardOptimizer:
                 loss = closure()
         for unit, group in zip(self._units, self.param_groups):
             if unit is not None:
-                reseat(unit.state.layout, unit.params)  # see [Note: re-seated parameters]
+                reseat(unit.state.param_buffers, unit.params)  # see [Note: re-seated parameters]
                 self._refresh(unit, group)
                 try:
                     unit.state = unit.sharded.step(unit.params, None, unit.state)

@@ -30,17 +30,19 @@ __all__ = ["consolidate_flat", "load_flat", "piece_entries"]
 def piece_entries(state: ShardedState) -> dict[int, dict[str, torch.Tensor]]:
     """Piece index -> torch-named views of its state, for pieces torch would hold state for."""
     keys = field_keys(state, API, torch_only=True)
-    layout = state.layout
-    plan = layout.plan
-    slots = piece_slots(layout)
+    param_buffers = state.param_buffers
+    plan = param_buffers.plan
+    slots = piece_slots(param_buffers)
     out = {}
-    for k, piece in enumerate(layout.pieces):
-        count = None if keys.count is None else piece_value(keys.count, layout, k, slots)
+    for k, piece in enumerate(param_buffers.pieces):
+        count = None if keys.count is None else piece_value(keys.count, param_buffers, k, slots)
         if keys.count is None and not keys.eager:
             continue  # no state at all (SGD without momentum)
         if not has_state(keys, count):
             continue
-        entry = {key: piece_value(f, layout, k, slots) for f, key, kept in keys.entries if kept}
+        entry = {
+            key: piece_value(f, param_buffers, k, slots) for f, key, kept in keys.entries if kept
+        }
         if plan.is_whole(piece.tensor):  # in its shape
             shape = plan.tensors[piece.tensor].shape
             entry = {key: v if v.dim() == 0 else v.view(shape) for key, v in entry.items()}
@@ -62,7 +64,7 @@ def consolidate_flat(
     for unit, index in zip(units, global_index):
         if unit is None:
             continue
-        sd = consolidate_state_dict(unit.state, None, to=to, group=group)
+        sd = consolidate_state_dict(unit.state, None, to=to, process_group=group)
         if sd is not None:
             out.update({index[t]: to_cpu(entry) for t, entry in sd["state"].items()})
     return out if torch.distributed.get_rank(group) == to else None
@@ -71,15 +73,15 @@ def consolidate_flat(
 def load_flat(unit: Any, entries: Sequence[dict[str, Any] | None]) -> None:
     """Loads torch-form ``entries`` (one per parameter of the group, None: none) into this rank's
     slice of the group's state (see [Note: flat state in torch's form])."""
-    layout = unit.state.layout
-    slots = piece_slots(layout)
+    param_buffers = unit.state.param_buffers
+    slots = piece_slots(param_buffers)
     shaped = field_keys(unit.state, API, torch_only=True).shaped
     with torch.no_grad():
-        for k, piece in enumerate(layout.pieces):
+        for k, piece in enumerate(param_buffers.pieces):
             if entries[piece.tensor] is not None:
                 continue
             for f in unit.state.fields:
-                piece_value(f, layout, k, slots).fill_(unit.initial[f.path][piece.group])
+                piece_value(f, param_buffers, k, slots).fill_(unit.initial[f.path][piece.group])
             for s in shaped:  # Adafactor's second moments, which start at zero
                 if (t := s.tensors[k]) is not None:
                     t.zero_()

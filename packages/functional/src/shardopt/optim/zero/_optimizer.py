@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from shardopt.core import Strategy
 from shardopt.functional import ParamBuffers, ParamHooks, register_param_hooks
-from shardopt.functional.engine import fails_together, mesh_groups, ranks_with
+from shardopt.functional.engine import fails_together, mesh_groups, ranks_with, warn_renamed
 from shardopt.optim.zero._backend import OverlapBackend, ZeroBackend
 from shardopt.optim.zero._classes import (
     check_coupling,
@@ -374,13 +374,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Waits until every parameter holds its value after the last :meth:`step`."""
         self._backend.wait_params()
 
-    def _layouts(self) -> list[ParamBuffers]:
-        return self._backend.layouts()
+    def _view_buffers(self) -> list[ParamBuffers]:
+        return self._backend.view_buffers()
+
+    @property
+    def bucket_views(self) -> ParamBuffers | None:
+        """The parameter buffers of the greedy partition with bucket views (None otherwise)."""
+        return None if self._overlap_backend is None else self._overlap_backend.bucket_views
 
     @property
     def layout(self) -> ParamBuffers | None:
-        """The engine of the greedy partition with bucket views (None otherwise)."""
-        return None if self._overlap_backend is None else self._overlap_backend.layout
+        """Renamed :attr:`bucket_views` (issue 39); warns, and goes in a later release."""
+        warn_renamed(f"{API}.layout", f"{API}.bucket_views")
+        return self.bucket_views
 
     # -- state dicts ([Note: state dicts without consolidation]) -------------------------------
 

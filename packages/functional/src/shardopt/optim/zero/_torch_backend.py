@@ -35,7 +35,7 @@ __all__ = ["TorchBackend"]
 #   ([Note: deferred parameter sync]).
 # - False: "staged"; the parameters keep their own storage, as torch's do, and each bucket goes
 #   through a staging row of the bucket's size ([Note: staged parameter sync]).
-# The layout's calls are the same either way: ``sync_params`` (every bucket, in bucket order),
+# The ParamBuffers' calls are the same either way: ``sync_params`` (every bucket, in bucket order),
 # ``wait_params``, and ``start_tensor_sync``, with which the DDP comm hooks sync the parameters
 # of one DDP bucket at a time: one broadcast per owner and run of adjacent parameters. A sync
 # costs one collective per owner and bucket, never one per parameter.
@@ -77,7 +77,7 @@ class TorchBackend:
         self.optim: Any = optimizer_class(local, **defaults)  # torch's checks raise here
         copy_hyperparameters(self.optim.param_groups, param_groups)
         self.params: list[torch.Tensor] = []
-        self.sync_layout: ParamBuffers | None = None  # the engine's layout, set by start
+        self.param_buffers: ParamBuffers | None = None  # the engine's ParamBuffers, set by start
         self._index: dict[torch.Tensor, int] = {}  # parameter -> plan tensor (set by start)
         self._owners: dict[torch.Tensor, int] = {}  # parameter -> its owner (set by start)
 
@@ -86,13 +86,13 @@ class TorchBackend:
 
     def start(self, param_groups: list[dict[str, Any]]) -> None:
         """Puts the parameters on the engine in the chosen storage."""
-        if self.sync_layout is not None:
-            self.sync_layout.wait_params()
+        if self.param_buffers is not None:
+            self.param_buffers.wait_params()
         self.params = [p for g in param_groups for p in g["params"]]
         self._index = {p: t for t, p in enumerate(self.params)}
         self._owners = owners(param_groups, [self.plan])
-        storage = "flat" if self.bucket_view else "staged"  # [Note: parameter storage]
-        self.sync_layout = build_param_buffers(
+        storage = "views" if self.bucket_view else "staged"  # [Note: parameter storage]
+        self.param_buffers = build_param_buffers(
             self.plan, self.params, self.rank, group=self.group, storage=storage
         )
 
@@ -112,10 +112,10 @@ class TorchBackend:
         kwargs: dict[str, Any],
     ) -> Any:
         """The local optimizer's step over this rank's share, then every parameter's sync."""
-        assert self.sync_layout is not None
-        self.sync_layout.wait_params()  # the update writes what the last gathers send
-        for layout in self.layouts():
-            reseat(layout, self.params)  # see [Note: re-seated parameters]
+        assert self.param_buffers is not None
+        self.param_buffers.wait_params()  # the update writes what the last gathers send
+        for param_buffers in self.view_buffers():
+            reseat(param_buffers, self.params)  # see [Note: re-seated parameters]
         if closure is None:
             check_grads(self.params, self.optimizer_class)
         copy_hyperparameters(param_groups, self.optim.param_groups)
@@ -124,7 +124,7 @@ class TorchBackend:
         else:
             loss = self.optim.step(closure=closure, **kwargs)
         copy_hyperparameters(self.optim.param_groups, param_groups)
-        self.sync_layout.sync_params()
+        self.param_buffers.sync_params()
         return loss
 
     def step_params(self, param_groups: list[dict[str, Any]], params: Sequence[Any]) -> None:
@@ -146,12 +146,12 @@ class TorchBackend:
 
     def sync_all(self) -> None:
         """Every parameter from its owner (collective)."""
-        assert self.sync_layout is not None
-        self.sync_layout.sync_params()
+        assert self.param_buffers is not None
+        self.param_buffers.sync_params()
 
     def sync_params_of(self, params: Sequence[torch.Tensor], *, async_op: bool) -> list[Pending]:
         """Starts (and unless ``async_op`` waits for) the sync of ``params`` from their owners."""
-        assert self.sync_layout is not None
+        assert self.param_buffers is not None
         index = self._index
         tensors = []
         for i, p in enumerate(params):
@@ -161,7 +161,7 @@ class TorchBackend:
                     f"params[{i}] of shape {tuple(p.shape)} that it does not hold"
                 )
             tensors.append(index[p])
-        handles = self.sync_layout.start_tensor_sync(tensors)
+        handles = self.param_buffers.start_tensor_sync(tensors)
         if not async_op:
             for handle in handles:
                 handle.wait()
@@ -169,20 +169,20 @@ class TorchBackend:
 
     def wait_params(self) -> None:
         """Waits for the parameter syncs left in flight (param hooks)."""
-        if self.sync_layout is not None:
-            self.sync_layout.wait_params()
+        if self.param_buffers is not None:
+            self.param_buffers.wait_params()
 
     @property
-    def layout(self) -> ParamBuffers | None:
-        """The layout whose buffers the parameters are views of (None: staged storage)."""
-        return self.sync_layout if self.bucket_view else None
+    def bucket_views(self) -> ParamBuffers | None:
+        """The parameter buffers the parameters are views of (None: staged storage)."""
+        return self.param_buffers if self.bucket_view else None
 
-    def layouts(self) -> list[ParamBuffers]:
+    def view_buffers(self) -> list[ParamBuffers]:
         """The ParamBuffers of bucket views, if any."""
-        return [] if self.layout is None else [self.layout]
+        return [] if self.bucket_views is None else [self.bucket_views]
 
     def hook_targets(self, api: str) -> list[Any]:
-        """This backend, whose ``layout``'s buckets the param hooks wait for (bucket views
+        """This backend, whose ``param_buffers``' buckets the param hooks wait for (bucket views
         only)."""
         if not self.bucket_view:
             raise ValueError(

@@ -21,7 +21,7 @@ __all__ = ["TorchSlicesBackend", "optimizer_wide"]
 # [Note: slices for the class itself]
 # A class that the elementwise probe passes ([Note: optimizer probes]) updates each element from
 # that element's gradient, value and state alone, whatever the tensor's shape or cut. So each
-# param group gets a flat plan and layout of its own (the parameters become views of its
+# param group gets a flat plan and ParamBuffers of its own (the parameters become views of its
 # buffers, as under the core forms), and the local optimizer is the class itself over one
 # parameter per piece this rank owns: a 1-D leaf sharing the piece's memory, whose gradient
 # is lent, for the step, as the same elements of the parameter's ``.grad``. The update writes
@@ -55,12 +55,12 @@ def _to_cpu(value: Any) -> Any:
 
 
 class _Unit:
-    """One param group's plan and layout, and the leaves the local optimizer steps."""
+    """One param group's plan and ParamBuffers, and the leaves the local optimizer steps."""
 
-    def __init__(self, params: list[torch.Tensor], plan: Plan, layout: ParamBuffers) -> None:
-        self.params, self.plan, self.layout = params, plan, layout
-        self.pieces: tuple[Piece, ...] = plan.pieces(layout.rank)
-        self.leaves = [torch.nn.Parameter(v) for v in layout.param_views()]  # shared memory
+    def __init__(self, params: list[torch.Tensor], plan: Plan, param_buffers: ParamBuffers) -> None:
+        self.params, self.plan, self.param_buffers = params, plan, param_buffers
+        self.pieces: tuple[Piece, ...] = plan.pieces(param_buffers.rank)
+        self.leaves = [torch.nn.Parameter(v) for v in param_buffers.param_views()]  # shared memory
 
     def lend(self) -> None:
         """Each leaf's gradient: its piece's elements of the parameter's ``.grad``."""
@@ -99,8 +99,10 @@ class TorchSlicesBackend:
         if not params:
             return None
         plan = plan_partition(params, self.world_size, strategy="flat")
-        layout = build_param_buffers(plan, params, self.rank, group=self.group, storage="flat")
-        return _Unit(params, plan, layout)
+        param_buffers = build_param_buffers(
+            plan, params, self.rank, group=self.group, storage="views"
+        )
+        return _Unit(params, plan, param_buffers)
 
     def _local_group(self, group: dict[str, Any], unit: _Unit | None) -> dict[str, Any]:
         local = copy.copy(group)
@@ -135,7 +137,7 @@ class TorchSlicesBackend:
                 loss = closure()
         units = [u for u in self.units if u is not None]
         for u in units:
-            reseat(u.layout, u.params)  # see [Note: re-seated parameters]
+            reseat(u.param_buffers, u.params)  # see [Note: re-seated parameters]
             u.lend()
         try:
             copy_hyperparameters(param_groups, self.optim.param_groups)
@@ -151,17 +153,17 @@ class TorchSlicesBackend:
         """Every parameter from the ranks that own its elements (collective)."""
         for u in self.units:
             if u is not None:
-                u.layout.sync_params()
+                u.param_buffers.sync_params()
 
     def wait_params(self) -> None:
-        for layout in self.layouts():
-            layout.wait_params()
+        for param_buffers in self.view_buffers():
+            param_buffers.wait_params()
 
-    def layouts(self) -> list[ParamBuffers]:
-        return [u.layout for u in self.units if u is not None]
+    def view_buffers(self) -> list[ParamBuffers]:
+        return [u.param_buffers for u in self.units if u is not None]
 
     def hook_targets(self, api: str) -> list[Any]:
-        """Each group's unit (its ``layout`` is what the param hooks wait on)."""
+        """Each group's unit (its ``param_buffers`` is what the param hooks wait on)."""
         return [u for u in self.units if u is not None]
 
     def partition(self, param_groups: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

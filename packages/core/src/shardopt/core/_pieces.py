@@ -11,13 +11,13 @@ import torch
 from shardopt.core._base import WHOLE_TENSORS, Transformation, needs_whole_tensors
 from shardopt.core._tree import tree_leaves
 
-__all__ = ["FlatRule", "flat_rule", "update_flat_", "update_whole_", "with_flat_rule"]
+__all__ = ["PieceRule", "piece_rule", "update_pieces_", "update_whole_", "with_piece_rule"]
 
-FlatRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
+PieceRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
 
-# [Note: flat fast path]
+# [Note: piece fast path]
 # Sharded code steps a few long 1-D tensors (a rank's shard of a flat buffer, or views of it),
-# not a tree of parameters. For that case an optimizer factory registers a *flat rule*: a
+# not a tree of parameters. For that case an optimizer factory registers a *piece rule*: a
 # function ``rule(params, grads, state)`` that performs exactly the update of ``tx.update`` +
 # ``apply_updates``, but in place, on the lists ``params``/``grads`` and on the tensors of
 # ``state = tx.init(params)``, through torch's fused kernels where they exist for the device
@@ -25,23 +25,23 @@ FlatRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
 # [Note: SGD on CPU is foreach] in _fused.py). A ``None`` gradient skips its parameter (no state
 # change), as in the pure path. Rules are keyed by the identity of ``tx.update`` (a NamedTuple
 # cannot carry attributes); a transformation without a rule still works through
-# :func:`update_flat_`, which falls back to the pure path and copies back.
-_RULES: weakref.WeakKeyDictionary[Callable[..., Any], FlatRule] = weakref.WeakKeyDictionary()
+# :func:`update_pieces_`, which falls back to the pure path and copies back.
+_RULES: weakref.WeakKeyDictionary[Callable[..., Any], PieceRule] = weakref.WeakKeyDictionary()
 
 
-def with_flat_rule(tx: Transformation, rule: FlatRule) -> Transformation:
-    """Registers ``rule`` as the in-place flat fast path of ``tx`` and returns ``tx``."""
+def with_piece_rule(tx: Transformation, rule: PieceRule) -> Transformation:
+    """Registers ``rule`` as the in-place piece fast path of ``tx`` and returns ``tx``."""
     _RULES[tx.update] = rule
     return tx
 
 
-def flat_rule(tx: Transformation) -> FlatRule | None:
-    """The registered flat rule of ``tx``, or ``None`` if it has none."""
+def piece_rule(tx: Transformation) -> PieceRule | None:
+    """The registered piece rule of ``tx``, or ``None`` if it has none."""
     return _RULES.get(tx.update)
 
 
 @torch.no_grad()
-def update_flat_(
+def update_pieces_(
     tx: Transformation,
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
@@ -57,7 +57,7 @@ def update_flat_(
         >>> from shardopt.core import scale_by_learning_rate
         >>> tx = scale_by_learning_rate(0.5)
         >>> p = [torch.ones(3)]
-        >>> update_flat_(tx, p, [torch.ones(3)], tx.init(p))
+        >>> update_pieces_(tx, p, [torch.ones(3)], tx.init(p))
         >>> p
         [tensor([0.5000, 0.5000, 0.5000])]
 
@@ -67,16 +67,16 @@ def update_flat_(
     """
     if needs_whole_tensors(tx):
         raise ValueError(
-            f"update_flat_: {WHOLE_TENSORS[tx.update]} needs whole tensors (it is not "
+            f"update_pieces_: {WHOLE_TENSORS[tx.update]} needs whole tensors (it is not "
             "elementwise), so it cannot step slices of flat buffers; run tx.update on the "
             "parameters themselves"
         )
     params, grads = list(params), list(grads)
     if len(params) != len(grads):
         raise ValueError(
-            f"update_flat_: expected as many grads as params, got {len(grads)} and {len(params)}"
+            f"update_pieces_: expected as many grads as params, got {len(grads)} and {len(params)}"
         )
-    rule = flat_rule(tx)
+    rule = piece_rule(tx)
     if rule is not None:
         rule(params, grads, state)
     else:  # the pure path, copied back (elementwise: slices are fine)
