@@ -7,6 +7,8 @@ import datetime
 import glob
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import tempfile
@@ -56,6 +58,9 @@ __all__ = [
 # only the one the agent saw first: under a slow start that may be a rank still joining. Ctrl-C
 # in this process reaches the agent, which stops the ranks.
 _TIMED_OUT = 124
+# What the CLI's forkserver imports once (torch.optim's first optimizer in a process imports
+# dynamo, seconds; the demo and the bench build several): none of it starts a thread or CUDA.
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shardopt.functional")
 _REPORT = "shardopt-failure.json"
 _DONE = "shardopt-done.json"  # written by a rank whose ``fn`` returned
 _REPORTED_EXIT_DELAY_S = 0.5
@@ -265,7 +270,7 @@ def launch(
             rdzv_configs={"timeout": max(1, int(timeout))},
             max_restarts=0,
             monitor_interval=0.05,
-            start_method="spawn",
+            start_method=_start_method(),
             logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         entry = elastic_launch(config, _rank_main)
@@ -278,6 +283,18 @@ def launch(
     if error is not None:
         raise error  # outside the handler: no context that would keep the agent alive
     return [results[rank] for rank in range(world_size)]
+
+
+def _start_method() -> str:
+    """``"forkserver"`` with torch preloaded (see [Note: CLI worlds]), or ``"spawn"`` where there
+    is none (Windows). The preload is set only before this process's forkserver starts; one
+    already running (the testing harness's, say) keeps its own, a superset."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is None:
+        multiprocessing.set_forkserver_preload(list(_PRELOAD))
+    return "forkserver"
 
 
 def _failure(exc: ChildFailedError, logs: str, api: str, world_size: int) -> Exception:
