@@ -187,7 +187,7 @@ def shard_cost(
 
 @dataclass(frozen=True, slots=True)
 class _Dtypes:
-    """The dtypes (and the remainders option) of a ParamBuffers' cost: ``shard_cost``'s."""
+    """The dtypes (and the remainders option) of a sharded optimizer's cost: ``shard_cost``'s."""
 
     master: torch.dtype | None
     reduce: torch.dtype | None

@@ -171,7 +171,7 @@ def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 def _compile(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn`` compiled for fixed shapes (the ParamBuffers' never change), its scalars computed once
+    """``fn`` compiled for fixed shapes (a sharded state's never change), its scalars computed once
     ([Note: scalars computed once] in _compiled_scalars.py). The first torch.compile of a
     process imports torch's compiler stack, whose TorchScript leftovers warn of their own
     deprecation (not the caller's concern)."""
@@ -297,7 +297,7 @@ class CompiledUpdate:
 
 
 def _agreed(failed: bool, param_buffers: ParamBuffers) -> bool:
-    """Whether ``failed`` on any rank of the ParamBuffers' group (one small all-reduce)."""
+    """Whether ``failed`` on any rank of the buffers' process group (one small all-reduce)."""
     group = param_buffers.group
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return failed
@@ -315,7 +315,7 @@ def _first_line(exc: BaseException) -> str:
 def planned_update(
     tx: Transformation, param_buffers: ParamBuffers, mode: bool | str, whole: bool
 ) -> CompiledUpdate | None:
-    """The ParamBuffers' compiled update under ``compile=mode``, or None where it runs eagerly:
+    """The compiled update of ``param_buffers`` under ``compile=mode``, or None where eager:
     ``False``; ``"auto"`` on a small shard or without a compiler; a transformation that needs
     whole tensors (its shaped update runs eagerly). ``True`` (and ``"auto"`` on a large shard)
     warns once where compiling is impossible, and returns None."""

@@ -103,7 +103,7 @@ def is_split(p: Any) -> bool:
 
 
 def tensor_parallel(params: Sequence[Any], param_buffers: ParamBuffers) -> TensorParallel | None:
-    """Which of the ParamBuffers' pieces belong to DTensors sharded over a tensor-parallel group,
+    """Which of this rank's pieces belong to DTensors sharded over a tensor-parallel group,
     and that group; None without any (see [Note: tensor-parallel norms])."""
     groups, flags = set(), []
     for p in params:

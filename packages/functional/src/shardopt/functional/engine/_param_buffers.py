@@ -20,8 +20,8 @@ __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 # each plan group (the parameters are views of it, see [Note: buffer storage]), the buckets the
 # plan cut it into, and the parameter gathers in flight. The gradient half (this rank's gradient
 # shards, their staging, the bucket reductions and readiness) is ``GradShards`` ([Note: gradient
-# shards] in _reduction.py), owned by the gradient reducer; it reads the ParamBuffers' buckets and
-# options. Everything else maps ranges of them: the update reads and writes piece views,
+# shards] in _reduction.py), owned by the gradient reducer; it reads the parameter buffers' buckets
+# and options. Everything else maps ranges of them: the update reads and writes piece views,
 # checkpoints read the shards. Every collective is per bucket and never leaves the bucket's
 # memory:
 #
@@ -32,8 +32,8 @@ __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 #   nothing between buckets; the update's loop writes each bucket's pieces just before).
 # - gradient reduction: ``GradShards.start_reduce`` / ``finish_reduce``.
 #
-# Where the parameters live is the ParamBuffers' storage, chosen when it is built ([Note: parameter
-# storage] in _storage.py): views of the flat buffers, or their own storage synced through
+# Where the parameters live is the storage of the ParamBuffers, chosen when it is built ([Note:
+# parameter storage] in _storage.py): views of the flat buffers, or their own storage synced through
 # staging rows.
 #
 # Collectives must be entered in the same order on every rank. Parameter syncs run in bucket

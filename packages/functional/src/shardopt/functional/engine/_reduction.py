@@ -34,8 +34,8 @@ __all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replic
 # [Note: gradient shards]
 # The gradient half of the engine, apart from the parameter half (``ParamBuffers``) and owned by
 # the one that reduces: ``GradReducer`` in _hooks.py (a sharded state that reduces gradients
-# has one; stage 1 with ``grads_averaged`` has none). It reads the ParamBuffers' buckets and options
-# (group, algorithm, ``reduce_dtype``, ``comm_dtype``, ``replicate``) and never calls back:
+# has one; stage 1 with ``grads_averaged`` has none). It reads the parameter buffers' buckets and
+# options (group, algorithm, ``reduce_dtype``, ``comm_dtype``, ``replicate``) and never calls back:
 #
 # - ``start_reduce(key, grads)`` / ``finish_reduce()``: a bucket's tensors are whole and
 #   adjacent, so their local gradients are packed end to end into a staging buffer of the

@@ -48,7 +48,7 @@ class Slots:
 
 
 class GradStaging:
-    """The gradient staging of a ParamBuffers' groups (see [Note: gradient staging]), allocated on
+    """The gradient staging of the buffer groups (see [Note: gradient staging]), allocated on
     first use: ``dtypes[g]`` and ``devices[g]`` are group ``g``'s reduction dtype and device."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Where a ParamBuffers' parameters live, and how a bucket of them is synced: the two storages."""
+"""Where the parameters live, and how a bucket of them is synced: the two storages."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from shardopt.functional.engine._staging import Slots
 __all__ = ["ViewStorage", "ParamStorage", "StagedStorage"]
 
 # [Note: parameter storage]
-# A ParamBuffers' parameter syncs go through one storage, chosen when the ParamBuffers is built and
-# never branched on afterwards (``build_param_buffers(..., storage=)``):
+# The parameter syncs of a ParamBuffers go through one storage, chosen when the ParamBuffers is
+# built and never branched on afterwards (``build_param_buffers(..., storage=)``):
 # - "views" (ViewStorage): the parameters are views of the parameter buffers ([Note: buffer
 #   storage]); a bucket's sync all-gathers its region of the buffer in place.
 # - "staged" (StagedStorage): the parameters keep their own storage, as torch's
@@ -48,7 +48,7 @@ __all__ = ["ViewStorage", "ParamStorage", "StagedStorage"]
 
 
 class ParamStorage(Protocol):
-    """How a ParamBuffers' parameters are synced (see [Note: parameter storage])."""
+    """How the parameters of a ParamBuffers are synced (see [Note: parameter storage])."""
 
     def gather(self, key: tuple[int, int]) -> Pending:
         """Launches bucket ``key``'s sync; the Pending completes it."""
@@ -70,7 +70,7 @@ def _owner_runs(plan: Plan, tensors: Sequence[int]) -> list[tuple[int, int, list
 
 
 class ViewStorage:
-    """Parameters that are views of the ParamBuffers' flat ``buffers``."""
+    """Parameters that are views of the parameter ``buffers``."""
 
     def __init__(
         self,

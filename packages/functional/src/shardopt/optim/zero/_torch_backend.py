@@ -35,10 +35,10 @@ __all__ = ["TorchBackend"]
 #   ([Note: deferred parameter sync]).
 # - False: "staged"; the parameters keep their own storage, as torch's do, and each bucket goes
 #   through a staging row of the bucket's size ([Note: staged parameter sync]).
-# The ParamBuffers' calls are the same either way: ``sync_params`` (every bucket, in bucket order),
-# ``wait_params``, and ``start_tensor_sync``, with which the DDP comm hooks sync the parameters
-# of one DDP bucket at a time: one broadcast per owner and run of adjacent parameters. A sync
-# costs one collective per owner and bucket, never one per parameter.
+# The calls on the ParamBuffers are the same either way: ``sync_params`` (every bucket, in bucket
+# order), ``wait_params``, and ``start_tensor_sync``, with which the DDP comm hooks sync the
+# parameters of one DDP bucket at a time: one broadcast per owner and run of adjacent parameters. A
+# sync costs one collective per owner and bucket, never one per parameter.
 
 
 def local_states(
