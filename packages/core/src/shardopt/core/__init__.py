@@ -207,7 +207,7 @@ __all__ = [
     "with_state_dtype",
 ]
 
-# Old names (see [Note: renamed names] in _renamed.py):
+# Old names (see [Note: renamed core names] in _renamed.py):
 __getattr__ = renamed_getattr(
     __name__, {"FlatGroup": "BufferGroup", "update_flat_": "update_pieces_"}, globals()
 )

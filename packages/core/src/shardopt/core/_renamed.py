@@ -8,11 +8,12 @@ from typing import Any
 
 __all__ = ["renamed_getattr"]
 
-# [Note: renamed names]
-# Issue 39 gave each concept one word (docs/glossary.md), which renamed some public names. The old
-# names still resolve through the module's ``__getattr__`` (PEP 562, so ``from m import Old``
-# works too), each with a FutureWarning naming the new name; they are not in ``__all__``, and a
-# later release removes them. Keyword arguments renamed the same way are in their functions.
+# [Note: renamed core names]
+# Issue 39 gave each concept one word (docs/glossary.md), which renamed some of core's public names
+# (``FlatGroup``, ``update_flat_`` and the flat rules). The old names still resolve through the
+# module's ``__getattr__`` (PEP 562, so ``from m import Old`` works too), each with a FutureWarning
+# naming the new name; they are not in ``__all__``, and a later release removes them. The other
+# packages do the same for theirs ([Note: renamed names] in shardopt.functional's engine).
 
 
 def renamed_getattr(

@@ -117,7 +117,7 @@ __all__ = [
     "zeros_like_tree",
 ]
 
-# Old names (see [Note: renamed names] in _renamed.py):
+# Old names (see [Note: renamed core names] in _renamed.py):
 __getattr__ = renamed_getattr(
     __name__,
     {"FlatRule": "PieceRule", "flat_rule": "piece_rule", "with_flat_rule": "with_piece_rule"},

@@ -17,7 +17,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # ``ParamBuffers`` (``FlatLayout``), a state field's granularity is ``FieldGranularity``
 # (``FieldKind``), a sharded state's buffers are ``param_buffers`` (``layout``). The old names
 # still work, each with one FutureWarning naming the new name, and a later release removes them.
-# Core does the same for its own names (``FlatGroup``, ``update_flat_``, the flat rules).
+# Core does the same for its own names ([Note: renamed core names]), and the testing harness
+# for ``World.group``.
 
 
 def warn_renamed(old: str, new: str) -> None:
