@@ -288,7 +288,7 @@ def launch(
 def _start_method() -> str:
     """``"forkserver"`` with torch preloaded (see [Note: CLI worlds]), or ``"spawn"`` where there
     is none (Windows). The preload is set only before this process's forkserver starts; one
-    already running (the testing harness's, say) keeps its own, a superset."""
+    already running (the testing harness's, say) keeps its own preload."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
