@@ -10,7 +10,7 @@ import torch
 
 from shardopt.core._base import Transformation, chain, init_count
 from shardopt.core._checks import expect_nonnegative
-from shardopt.core._fused import update_adagrad_
+from shardopt.core._fused import prepare_adagrad_, update_adagrad_
 from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._pieces import with_piece_rule
 from shardopt.core._scalars import cast_like, divide_learning_rate, is_zero
@@ -150,7 +150,11 @@ def adagrad(
     """
     hp = AdagradHyperparams(lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize)
     return with_kind(
-        with_piece_rule(hp.build(), functools.partial(update_adagrad_, hp)),
+        with_piece_rule(
+            hp.build(),
+            functools.partial(update_adagrad_, hp),
+            functools.partial(prepare_adagrad_, hp),
+        ),
         Kind.ELEMENTWISE,
         "adagrad",
     )

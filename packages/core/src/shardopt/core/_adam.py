@@ -10,7 +10,7 @@ import torch
 
 from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
-from shardopt.core._fused import update_adam_
+from shardopt.core._fused import prepare_adam_, update_adam_
 from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._pieces import with_piece_rule
 from shardopt.core._scalars import (
@@ -253,7 +253,11 @@ def adam(
         "adam", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, decoupled_weight_decay
     )
     return with_kind(
-        with_piece_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adam"
+        with_piece_rule(
+            hp.build(), functools.partial(update_adam_, hp), functools.partial(prepare_adam_, hp)
+        ),
+        Kind.ELEMENTWISE,
+        "adam",
     )
 
 
@@ -279,5 +283,9 @@ def adamw(
     """
     hp = AdamHyperparams("adamw", lr, _pair(betas), eps, weight_decay, amsgrad, maximize, True)
     return with_kind(
-        with_piece_rule(hp.build(), functools.partial(update_adam_, hp)), Kind.ELEMENTWISE, "adamw"
+        with_piece_rule(
+            hp.build(), functools.partial(update_adam_, hp), functools.partial(prepare_adam_, hp)
+        ),
+        Kind.ELEMENTWISE,
+        "adamw",
     )

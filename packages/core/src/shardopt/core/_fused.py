@@ -8,13 +8,26 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from shardopt.core._base import EmptyState, Transformation
+from shardopt.core._base import Transformation
 from shardopt.core._pieces import update_pieces_
+from shardopt.core._prepared import (
+    FLOAT_DTYPES,
+    Prepared,
+    advance,
+    leaves_of,
+    prepared_update,
+    split_state,
+)
 from shardopt.core._schedules import ScalarOrSchedule, resolve
-from shardopt.core._transforms import ScaleByScheduleState
-from shardopt.core._tree import tree_leaves
 
-__all__ = ["Kernel", "select_kernel", "update_adagrad_", "update_adam_", "update_sgd_"]
+__all__ = [
+    "Kernel",
+    "prepare_adagrad_",
+    "prepare_adam_",
+    "select_kernel",
+    "update_adagrad_",
+    "update_adam_",
+]
 
 T = TypeVar("T")
 Tensors = list[torch.Tensor]
@@ -33,15 +46,6 @@ class _Hyperparams(Protocol):
     @property
     def maximize(self) -> bool: ...
     def build(self) -> Transformation: ...
-
-
-class SGDLike(_Hyperparams, Protocol):
-    @property
-    def momentum(self) -> float: ...
-    @property
-    def dampening(self) -> float: ...
-    @property
-    def nesterov(self) -> bool: ...
 
 
 class AdamLike(_Hyperparams, Protocol):
@@ -91,9 +95,6 @@ class Kernel(enum.Enum):
 
 
 FUSED_DEVICES = frozenset({"cpu", "cuda"})
-_SGD_FUSED_DEVICES = frozenset({"cuda"})  # see [Note: SGD on CPU is foreach]
-_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
 def select_kernel(
@@ -112,7 +113,7 @@ def select_kernel(
     kernel = Kernel.FUSED
     for p, g in zip(params, grads):  # one pass: step() asks every step
         device = p.device
-        if g.dtype != p.dtype or g.device != device or p.dtype not in _FLOAT_DTYPES:
+        if g.dtype != p.dtype or g.device != device or p.dtype not in FLOAT_DTYPES:
             return Kernel.PURE
         # The fused kernels walk memory in order: every tensor must be laid out the same way.
         if device.type not in fused_on or not (p.is_contiguous() and g.is_contiguous()):
@@ -120,25 +121,9 @@ def select_kernel(
     return kernel
 
 
-def split_state(state: Sequence[Any]) -> tuple[Any, list[Any]]:
-    """The algorithm's own state in a factory's chain state, and the count trees of its
-    schedule pieces (``ScaleByScheduleState``)."""
-    main, counts = None, []
-    for part in state:
-        if isinstance(part, ScaleByScheduleState):
-            counts.append(part.count)
-        elif not isinstance(part, EmptyState):
-            main = part
-    return main, counts
-
-
-def _pick(xs: Sequence[T], idx: Sequence[int]) -> list[T]:
-    return [xs[i] for i in idx]
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """``tree_leaves``, without the pytree walk for the usual case of a list of tensors."""
-    return tree if type(tree) is list else tree_leaves(tree)
+def _pick(xs: Sequence[T], idx: Sequence[int] | None) -> list[T]:
+    """``xs`` at ``idx``; all of ``xs`` for None."""
+    return list(xs) if idx is None else [xs[i] for i in idx]
 
 
 def _learning_rates(lr: ScalarOrSchedule, counts: Tensors | None, n: int) -> list[Lr]:
@@ -148,13 +133,22 @@ def _learning_rates(lr: ScalarOrSchedule, counts: Tensors | None, n: int) -> lis
     return [lr] * n
 
 
-def _fused_groups(params: Tensors, lrs: list[Lr]) -> list[list[int]]:
-    """Indices of the parameters one fused launch can take: same device, dtype and lr."""
+def _fused_groups(
+    params: Tensors, lrs: list[Lr], whole: Prepared | None = None
+) -> list[list[int] | None]:
+    """Indices of the parameters one fused launch can take: same device, dtype and lr (None:
+    all of them, one launch: prepared tensors with one lr, see [Note: prepared pieces])."""
+    if whole is not None:
+        return [None]
     groups: dict[Any, list[int]] = {}
     for i, (p, lr) in enumerate(zip(params, lrs)):
         key = lr if isinstance(lr, (int, float)) else id(lr)
         groups.setdefault((p.device, p.dtype, key), []).append(i)
     return list(groups.values())
+
+
+def _first(group: list[int] | None) -> int:
+    return 0 if group is None else group[0]
 
 
 def _kernel_lr(lr: Lr, device: torch.device) -> Lr:
@@ -189,7 +183,7 @@ def _drive(
     main, schedule_counts = split_state(state)
 
     def select(tree: Any) -> Tensors:
-        return _leaves(tree) if every else _pick(_leaves(tree), idx)
+        return leaves_of(tree) if every else _pick(leaves_of(tree), idx)
 
     lists: dict[str, Tensors] = {}
     if main is not None:
@@ -215,101 +209,6 @@ def _scalars_like(values: Sequence[Lr], ps: Tensors) -> list[Any]:
     return [v.to(p.dtype) if isinstance(v, torch.Tensor) else v for v, p in zip(values, ps)]
 
 
-def _scale_(xs: Tensors, factor: float) -> None:
-    """``x.mul_(factor)`` for each ``x``: torch's CPU foreach mul rounds a Python scalar factor to
-    a float16/bfloat16 tensor's dtype first (0.9 becomes 0.8984375), ``mul_`` does not."""
-    if any(x.dtype in _HALF_DTYPES for x in xs):
-        for x in xs:
-            x.mul_(factor)
-    else:
-        torch._foreach_mul_(xs, factor)
-
-
-def _descend_(ps: Tensors, us: Tensors, lrs: list[Lr]) -> None:
-    """``p -= lr * u`` as torch.optim.SGD: ``p.add_(u, alpha=-lr)``.
-
-    torch reads a tensor lr as a Python scalar there; so do we for one on the CPU (no device
-    sync). Another goes to ``addcmul_``, as in ``step_by_learning_rate``: the same bits in float32
-    and float64, not in float16/bfloat16, where ``lr.to(p.dtype)`` rounds the lr.
-    """
-    lrs = [
-        float(lr) if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" else lr for lr in lrs
-    ]
-    if all(isinstance(lr, (int, float)) for lr in lrs) and len(set(lrs)) == 1:
-        torch._foreach_add_(ps, us, alpha=-float(lrs[0]))
-        return
-    for p, u, lr in zip(ps, us, lrs):
-        if isinstance(lr, torch.Tensor):
-            p.addcmul_(u, lr.to(p.dtype), value=-1)
-        else:
-            p.add_(u, alpha=-lr)
-
-
-# SGD ----------------------------------------------------------------------------------------
-
-
-# [Note: SGD on CPU is foreach]
-# torch._fused_sgd_'s CPU kernel rounds its scalar tail (the last elements of a tensor, fewer than
-# a vector) otherwise than its vectorised body, so its result depends on where a tensor is cut. A
-# rank's shard cuts tensors anywhere: sharded SGD was 1e-8..1e-7 (relative, float32) off
-# torch.optim.SGD. torch's own CPU SGD (for-loop, the default, and foreach) uses per-tensor ops
-# that round every element alike. So on CPU the rule runs ``_foreach_sgd``: torch's ops in torch's
-# order (``neg``; ``add(p, alpha=wd)``; ``mul_(momentum)``, ``add_(g, alpha=1 - dampening)``;
-# ``add(buf, alpha=momentum)``; ``p.add_(u, alpha=-lr)``), bitwise equal to
-# torch.optim.SGD(foreach=False) on whole tensors and on any split in float32 and float64. In
-# float16/bfloat16 it is bitwise equal on whole tensors only: CPU ``add`` with alpha is itself
-# split-dependent there (and torch's foreach SGD differs from its for-loop, see ``_scale_``).
-# Bitwise SGD is the product's claim, worth more than the fused kernel's speed: the step takes
-# torch.optim.SGD's own time, more than the fused one on one thread, as the ops walk memory three
-# to five times (measured: docs/performance.md; benchmarks/bench_flat_adam.py, sgd row). CUDA keeps
-# the fused kernel (one launch instead of up to five; its split-invariance is untested here):
-# compare it with torch.optim.SGD(fused=True).
-
-
-def update_sgd_(hp: SGDLike, params: Tensors, grads: list[Any], state: Any) -> None:
-    """The piece rule of :func:`~shardopt.core.sgd` (see [Note: piece rules] and
-    [Note: SGD on CPU is foreach])."""
-    damped = hp.momentum != 0 and hp.dampening != 0
-    plain = not isinstance(hp.weight_decay, torch.Tensor)
-    kernels = {Kernel.FUSED: _fused_sgd, Kernel.FOREACH: _foreach_sgd}
-    fused_on = frozenset() if damped else _SGD_FUSED_DEVICES
-    _drive(hp, params, grads, state, kernels, fused_on=fused_on, supported=plain)
-
-
-def _fused_sgd(hp: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
-    # Zero buffers make is_first_step unnecessary: see [Note: momentum buffer starts at zero].
-    bufs = lists.get("momentum", [])
-    for group in _fused_groups(ps, lrs):
-        torch._fused_sgd_(
-            _pick(ps, group),
-            _pick(gs, group),
-            _pick(bufs, group) if bufs else [],
-            weight_decay=float(hp.weight_decay),
-            momentum=hp.momentum,
-            lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
-            dampening=hp.dampening,
-            nesterov=hp.nesterov,
-            maximize=hp.maximize,
-            is_first_step=False,
-        )
-    if "count" in lists:
-        torch._foreach_add_(lists["count"], 1)
-
-
-def _foreach_sgd(hp: SGDLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
-    gs = _prepare_grads(hp.maximize, float(hp.weight_decay), ps, gs)
-    if hp.momentum != 0:
-        bufs, counts = lists["momentum"], lists["count"]
-        _scale_(bufs, hp.momentum)
-        torch._foreach_add_(bufs, gs, alpha=1 - hp.dampening)
-        if hp.dampening != 0:
-            for buf, g, n in zip(bufs, gs, counts):
-                buf.copy_(torch.where(n == 0, g, buf))
-        gs = list(torch._foreach_add(gs, bufs, alpha=hp.momentum)) if hp.nesterov else bufs
-        torch._foreach_add_(counts, 1)
-    _descend_(ps, gs, lrs)
-
-
 # Adam and AdamW ------------------------------------------------------------------------------
 
 # [Note: fused Adam on CPU depends on the split]
@@ -328,12 +227,30 @@ def update_adam_(hp: AdamLike, params: Tensors, grads: list[Any], state: Any) ->
     _drive(hp, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
-def _fused_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def prepare_adam_(
+    hp: AdamLike, params: Tensors, state: Any, base: Any = None
+) -> Callable[[Tensors, Any], bool] | None:
+    """The preparer of :func:`~shardopt.core.adam` and :func:`~shardopt.core.adamw`."""
+    plain = not any(isinstance(x, torch.Tensor) for x in (*hp.betas, hp.weight_decay))
+    kernels = (_fused_adam, _foreach_adam)
+    return prepared_update(
+        hp, params, state, base, kernels, fused_on=FUSED_DEVICES, supported=plain
+    )
+
+
+def _fused_adam(
+    hp: AdamLike,
+    ps: Tensors,
+    gs: Tensors,
+    lists: dict,
+    lrs: list[Lr],
+    whole: Prepared | None = None,
+) -> None:
     fn = torch._fused_adamw_ if hp.decoupled_weight_decay else torch._fused_adam_
     maxs = lists.get("nu_max", [])
-    for group in _fused_groups(ps, lrs):
+    for group in _fused_groups(ps, lrs, whole):
         steps = _pick(lists["count"], group)
-        torch._foreach_add_(steps, 1)
+        advance(steps, whole)
         fn(
             _pick(ps, group),
             _pick(gs, group),
@@ -341,7 +258,7 @@ def _fused_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[L
             _pick(lists["nu"], group),
             _pick(maxs, group) if maxs else [],
             steps,
-            lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
+            lr=_kernel_lr(lrs[_first(group)], ps[_first(group)].device),
             beta1=float(hp.betas[0]),
             beta2=float(hp.betas[1]),
             weight_decay=float(hp.weight_decay),
@@ -351,7 +268,14 @@ def _fused_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[L
         )
 
 
-def _foreach_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _foreach_adam(
+    hp: AdamLike,
+    ps: Tensors,
+    gs: Tensors,
+    lists: dict,
+    lrs: list[Lr],
+    whole: Prepared | None = None,
+) -> None:
     b1, b2 = float(hp.betas[0]), float(hp.betas[1])
     wd, decoupled = float(hp.weight_decay), hp.decoupled_weight_decay
     gs = _prepare_grads(hp.maximize, 0.0 if decoupled else wd, ps, gs)
@@ -371,7 +295,7 @@ def _foreach_adam(hp: AdamLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list
     updates = torch._foreach_mul(mus, _scalars_like([-step for step, _ in scalars], ps))
     torch._foreach_div_(updates, denoms)
     torch._foreach_add_(ps, updates)
-    torch._foreach_add_(counts, 1)
+    advance(counts, whole)
 
 
 # Adagrad -------------------------------------------------------------------------------------
@@ -384,16 +308,34 @@ def update_adagrad_(hp: AdagradLike, params: Tensors, grads: list[Any], state: A
     _drive(hp, params, grads, state, kernels, fused_on=FUSED_DEVICES, supported=plain)
 
 
-def _fused_adagrad(hp: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
-    for group in _fused_groups(ps, lrs):
+def prepare_adagrad_(
+    hp: AdagradLike, params: Tensors, state: Any, base: Any = None
+) -> Callable[[Tensors, Any], bool] | None:
+    """The preparer of :func:`~shardopt.core.adagrad` (see [Note: prepared pieces])."""
+    plain = not isinstance(hp.weight_decay, torch.Tensor)
+    kernels = (_fused_adagrad, _foreach_adagrad)
+    return prepared_update(
+        hp, params, state, base, kernels, fused_on=FUSED_DEVICES, supported=plain
+    )
+
+
+def _fused_adagrad(
+    hp: AdagradLike,
+    ps: Tensors,
+    gs: Tensors,
+    lists: dict,
+    lrs: list[Lr],
+    whole: Prepared | None = None,
+) -> None:
+    for group in _fused_groups(ps, lrs, whole):
         steps = _pick(lists["count"], group)
-        torch._foreach_add_(steps, 1)
+        advance(steps, whole)
         torch._fused_adagrad_(
             _pick(ps, group),
             _pick(gs, group),
             _pick(lists["sum"], group),
             steps,
-            lr=_kernel_lr(lrs[group[0]], ps[group[0]].device),
+            lr=_kernel_lr(lrs[_first(group)], ps[_first(group)].device),
             lr_decay=hp.lr_decay,
             weight_decay=float(hp.weight_decay),
             eps=hp.eps,
@@ -401,7 +343,14 @@ def _fused_adagrad(hp: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: 
         )
 
 
-def _foreach_adagrad(hp: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs: list[Lr]) -> None:
+def _foreach_adagrad(
+    hp: AdagradLike,
+    ps: Tensors,
+    gs: Tensors,
+    lists: dict,
+    lrs: list[Lr],
+    whole: Prepared | None = None,
+) -> None:
     gs = _prepare_grads(hp.maximize, float(hp.weight_decay), ps, gs)
     sums, counts = lists["sum"], lists["count"]
     torch._foreach_addcmul_(sums, gs, gs, value=1)
@@ -411,4 +360,4 @@ def _foreach_adagrad(hp: AdagradLike, ps: Tensors, gs: Tensors, lists: dict, lrs
     updates = torch._foreach_mul(gs, _scalars_like(steps, ps))
     torch._foreach_div_(updates, std)
     torch._foreach_add_(ps, updates)
-    torch._foreach_add_(counts, 1)
+    advance(counts, whole)

@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardopt.core._base import Transformation, inherit_whole_tensors
-from shardopt.core._pieces import update_pieces_, with_piece_rule
+from shardopt.core._pieces import PreparedPieces, prepare_pieces, update_pieces_, with_piece_rule
 from shardopt.core._tree import PyTree
 
 __all__ = ["InjectHyperparamsState", "InjectedHyperparams", "inject_hyperparams", "set_hyperparams"]
@@ -145,13 +145,44 @@ def inject_hyperparams(factory: Factory, **hyperparams: Any) -> Transformation:
 
     last: list[Any] = [values, built]  # the values of the last flat update, their transformation
 
-    def rule(params: list[torch.Tensor], grads: list[torch.Tensor | None], state: Any) -> None:
+    def current(state: Any) -> Transformation:
         if not _same_values(last[0], state.hyperparams):
             last[:] = [dict(state.hyperparams), factory(**state.hyperparams)]
-        update_pieces_(last[1], params, grads, state.inner)
+        return last[1]
 
-    tx = with_piece_rule(Transformation(init, update), rule)
+    def rule(params: list[torch.Tensor], grads: list[torch.Tensor | None], state: Any) -> None:
+        update_pieces_(current(state), params, grads, state.inner)
+
+    def prepare(params: list[torch.Tensor], state: Any, base: Any = None) -> Any:
+        return _prepared(current, params, state, base)
+
+    tx = with_piece_rule(Transformation(init, update), rule, prepare)
     return inherit_whole_tensors(tx, [built])  # [Note: whole tensors]
+
+
+def _prepared(
+    current: Callable[[Any], Transformation], params: list[torch.Tensor], state: Any, base: Any
+) -> PreparedPieces | None:
+    """The preparer of an inject_hyperparams transformation: its current transformation's,
+    prepared again (reusing the walk) when the values change ([Note: prepared pieces])."""
+    inner = state.inner
+    tx = current(state)
+    prepared = prepare_pieces(tx, params, inner, base)
+    if prepared is None:
+        return None
+    held: list[Any] = [tx, prepared]
+
+    def update(grads: list[torch.Tensor], state: Any) -> bool:
+        tx = current(state)
+        if tx is not held[0]:
+            again = prepare_pieces(tx, params, inner, getattr(held[1], "base", None))
+            if again is None:
+                return False
+            held[:] = [tx, again]
+        return bool(held[1](grads, state.inner))
+
+    update.base = getattr(prepared, "base", None)  # type: ignore[attr-defined]
+    return update
 
 
 def _same(a: Any, b: Any) -> bool:

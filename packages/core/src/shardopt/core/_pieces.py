@@ -11,9 +11,22 @@ import torch
 from shardopt.core._base import WHOLE_TENSORS, Transformation, needs_whole_tensors
 from shardopt.core._tree import tree_leaves
 
-__all__ = ["PieceRule", "piece_rule", "update_pieces_", "update_whole_", "with_piece_rule"]
+__all__ = [
+    "PieceRule",
+    "PiecePreparer",
+    "PreparedPieces",
+    "piece_rule",
+    "prepare_pieces",
+    "update_pieces_",
+    "update_whole_",
+    "with_piece_rule",
+]
 
 PieceRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
+# update(grads, state) -> whether it updated (False: run the rule instead); see [Note: prepared
+# pieces]. ``base`` is what the last preparation for the same tensors left (its ``base``).
+PreparedPieces = Callable[[list[torch.Tensor], Any], bool]
+PiecePreparer = Callable[..., "PreparedPieces | None"]
 
 # [Note: piece fast path]
 # Sharded code steps a few long 1-D tensors (a rank's shard of a flat buffer, or views of it),
@@ -27,12 +40,60 @@ PieceRule = Callable[[list[torch.Tensor], list[torch.Tensor | None], Any], None]
 # cannot carry attributes); a transformation without a rule still works through
 # :func:`update_pieces_`, which falls back to the pure path and copies back.
 _RULES: weakref.WeakKeyDictionary[Callable[..., Any], PieceRule] = weakref.WeakKeyDictionary()
+_PREPARERS: weakref.WeakKeyDictionary[Callable[..., Any], PiecePreparer] = (
+    weakref.WeakKeyDictionary()
+)
+
+# [Note: prepared pieces]
+# A rule does some work per tensor at every call: it drops the parameters without a gradient,
+# picks a kernel, gathers each state field into a list and groups the launches. The sharding
+# engine steps the same pieces with the same state tensors at every step, so that work is the
+# same each time. A factory may register a *preparer* beside its rule:
+# ``prepare(params, state, base=None)`` does the per-tensor work once and returns
+# ``update(grads, state)``, which updates ``params`` and the tensors of ``state`` in place with one
+# launch per kernel (a list of tensors is one operator), and nothing per tensor in Python. It
+# serves a step where every parameter has a gradient of its own dtype and device, contiguous;
+# that is the caller's promise, not checked. It computes exactly what the rule computes (the same
+# kernels on the same tensors in the same order), and returns False where the rule would take
+# another path (a schedule, tensor hyperparameters); the caller then runs the rule. Counts that
+# are consecutive elements of one tensor (the engine's per-piece buffers) advance by one ``add_``
+# on that slice instead of a list of 0-d tensors. ``base`` (the returned function's ``base``
+# attribute) lets a later preparation for the same tensors skip the walk (inject_hyperparams
+# prepares again when its values change).
 
 
-def with_piece_rule(tx: Transformation, rule: PieceRule) -> Transformation:
-    """Registers ``rule`` as the in-place piece fast path of ``tx`` and returns ``tx``."""
+def with_piece_rule(
+    tx: Transformation, rule: PieceRule, prepare: PiecePreparer | None = None
+) -> Transformation:
+    """Registers ``rule`` as the in-place piece fast path of ``tx`` (and ``prepare`` as its
+    preparer, see [Note: prepared pieces]) and returns ``tx``."""
     _RULES[tx.update] = rule
+    if prepare is not None:
+        _PREPARERS[tx.update] = prepare
     return tx
+
+
+def prepare_pieces(
+    tx: Transformation, params: Sequence[torch.Tensor], state: Any, base: Any = None
+) -> PreparedPieces | None:
+    """``update(grads, state)`` for these ``params`` and ``state`` (``tx.init(params)``), with
+    the per-tensor work of ``tx``'s piece rule done now; None where ``tx`` has no preparer or
+    these tensors do not suit it (see [Note: prepared pieces]).
+
+    Example:
+        >>> import torch
+        >>> from shardopt.core import adamw
+        >>> from shardopt.core.blocks import prepare_pieces
+        >>> tx, p = adamw(lr=0.1), [torch.ones(3), torch.ones(2)]
+        >>> state = tx.init(p)
+        >>> update = prepare_pieces(tx, p, state)
+        >>> update([torch.ones(3), torch.ones(2)], state), [round(x, 4) for x in p[1].tolist()]
+        (True, [0.899, 0.899])
+    """
+    prepare = _PREPARERS.get(tx.update)
+    if prepare is None or needs_whole_tensors(tx) or not params:
+        return None
+    return prepare(list(params), state, base)
 
 
 def piece_rule(tx: Transformation) -> PieceRule | None:

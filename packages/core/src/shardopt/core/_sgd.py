@@ -10,7 +10,7 @@ import torch
 
 from shardopt.core._base import EmptyState, Transformation, chain, init_count
 from shardopt.core._checks import expect, expect_nonnegative
-from shardopt.core._fused import update_sgd_
+from shardopt.core._fused_sgd import prepare_sgd_, update_sgd_
 from shardopt.core._kinds import Kind, with_kind
 from shardopt.core._pieces import with_piece_rule
 from shardopt.core._scalars import is_zero, learning_rate_at
@@ -172,5 +172,9 @@ def sgd(
     """
     hp = SGDHyperparams(lr, momentum, dampening, weight_decay, nesterov, maximize)
     return with_kind(
-        with_piece_rule(hp.build(), functools.partial(update_sgd_, hp)), Kind.ELEMENTWISE, "sgd"
+        with_piece_rule(
+            hp.build(), functools.partial(update_sgd_, hp), functools.partial(prepare_sgd_, hp)
+        ),
+        Kind.ELEMENTWISE,
+        "sgd",
     )

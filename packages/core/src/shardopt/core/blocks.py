@@ -28,7 +28,15 @@ from shardopt.core._kinds import (
     with_kind,
 )
 from shardopt.core._moments import bias_correction, update_moment, update_moment_per_elem_norm
-from shardopt.core._pieces import PieceRule, piece_rule, update_whole_, with_piece_rule
+from shardopt.core._pieces import (
+    PiecePreparer,
+    PieceRule,
+    PreparedPieces,
+    piece_rule,
+    prepare_pieces,
+    update_whole_,
+    with_piece_rule,
+)
 from shardopt.core._plan_spec import local_tensor
 from shardopt.core._probe import probe_kind
 from shardopt.core._reduce import (
@@ -94,12 +102,15 @@ __all__ = [
     "TORCH_COMPAT",
     "AdagradHyperparams",
     "AdamHyperparams",
+    "PiecePreparer",
     "PieceRule",
+    "PreparedPieces",
     "PartitionRule",
     "PyTree",
     "SGDHyperparams",
     "TorchCompat",
     "piece_rule",
+    "prepare_pieces",
     "init_count",
     "leafwise",
     "local_tensor",

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from shardopt.core import Plan, Transformation
 from shardopt.core.blocks import PyTree, in_scope, needs_whole_tensors, tree_leaves
 from shardopt.functional._options import ShardOptions, Stage
+from shardopt.functional.engine._bucket_update import BucketUpdates
 from shardopt.functional.engine._clip import (
     Health,
     clip_coefficient,
@@ -22,7 +23,7 @@ from shardopt.functional.engine._collectives import ProcessGroup
 from shardopt.functional.engine._compiled import planned_update
 from shardopt.functional.engine._failure import failing_together, fails_together
 from shardopt.functional.engine._hooks import GradReducer
-from shardopt.functional.engine._masters import Masters, build_masters
+from shardopt.functional.engine._masters import build_masters
 from shardopt.functional.engine._mesh import (
     MeshGroups,
     global_places,
@@ -283,7 +284,9 @@ def _init(
     reducer = None
     if opts.reduces:
         reducer = GradReducer(param_buffers, free_grads=opts.stage is Stage.GRADIENTS)
-    return ShardedState(inner, fields, param_buffers, master, reducer, None, labels)
+        reducer.direct = _direct(opts, param_buffers, dist.get_world_size(group))
+    updates = BucketUpdates(tx, param_buffers, fields)  # [Note: prepared bucket updates]
+    return ShardedState(inner, fields, param_buffers, master, reducer, None, labels, updates)
 
 
 # [Note: whole matrices]
@@ -319,6 +322,11 @@ def _step(
         raise ValueError(f"shard: expected {problem}")
     param_buffers.wait_params()  # the update writes the shards the last gathers send
     error, present, piece_grads = _reduced_grads(opts, params, grads, state)
+    # the compact gradient shards that piece_grads view, where they do (else they are the
+    # caller's, whole pieces' in their shapes but for the health check) ([Note: prepared
+    # bucket updates])
+    shards = None if present is None else state.reducer.shards
+    shaped = present is None and not opts.needs_health
     stats = None
     if opts.needs_health:
         health = _checked_health(error, present, piece_grads, state, group)
@@ -331,8 +339,12 @@ def _step(
             coef = clip_coefficient(health.norm, opts.max_norm)
             in_place = opts.stage is Stage.GRADIENTS
             piece_grads = scale_grads(piece_grads, coef, in_place=in_place)
-    piece_grads = _to_update_dtype(piece_grads, param_buffers, state.master)
-    update_and_sync(tx, state.inner, param_buffers, piece_grads, state.master)
+            shards = shards if in_place else None
+    update_grads = _to_update_dtype(piece_grads, state, present is not None)
+    shards = shards if update_grads is piece_grads else None
+    update_and_sync(
+        tx, state.inner, param_buffers, update_grads, state.master, state.updates, shards, shaped
+    )
     return state._replace(stats=stats)
 
 
@@ -361,6 +373,8 @@ def _checked_health(
 def _present_views(state: ShardedState, present: Sequence[bool]) -> list[torch.Tensor | None]:
     """This rank's gradient shard of each of its pieces, None where ``present`` says none."""
     views = state.param_buffers.piece_views(state.reducer.shards)
+    if all(present):  # the usual case, at C speed
+        return views  # type: ignore[return-value]
     return [v if present[p.tensor] else None for v, p in zip(views, state.param_buffers.pieces)]
 
 
@@ -375,7 +389,7 @@ def _reduced_grads(
     error = None
     if not hooked:
         full = _grads_of(params, grads)
-        error = check_grads(local_tensors(params), full)
+        error = check_grads(local_tensors(params), full, attributes=grads is None)
         if error is not None:
             if not opts.needs_health:
                 raise ValueError(f"shard: expected {error}")
@@ -384,8 +398,10 @@ def _reduced_grads(
         raise ValueError(
             "shard: expected grads=None in step when gradient hooks are registered, got grads"
         )
-    if reducer is None:
-        return error, None, param_buffers.grad_views(full)
+    if reducer is None or (reducer.direct and not hooked and not opts.needs_health):
+        # the gradients themselves ([Note: one rank's gradients]); whole pieces' gradients as
+        # they are, unless the health check reads them
+        return error, None, param_buffers.grad_views(full, shaped=not opts.needs_health)
     present = reducer.finish() if hooked else reducer.reduce(full)
     if reducer.free_grads and grads is None and error is None:  # see [Note: one loop contract]
         for p in params:
@@ -393,13 +409,29 @@ def _reduced_grads(
     return error, present, _present_views(state, present)
 
 
+DIRECT_NUMEL = 1 << 16  # [Note: one rank's gradients]
+
+
+def _direct(opts: ShardOptions, param_buffers: ParamBuffers, world: int) -> bool:
+    """Whether stage 1 steps on the caller's gradients themselves ([Note: one rank's
+    gradients]): one rank, no replicas, no wire dtype, large tensors on average."""
+    plan = param_buffers.plan
+    mean = sum(t.numel for t in plan.tensors) / max(1, len(plan.tensors))
+    one = world == 1 and param_buffers.replicate is None and opts.comm_dtype is None
+    return one and opts.stage is Stage.OPTIMIZER_STATE and mean >= DIRECT_NUMEL
+
+
 def _to_update_dtype(
-    grads: list[torch.Tensor | None], param_buffers: ParamBuffers, master: Masters
+    grads: list[torch.Tensor | None], state: ShardedState, reduced: bool
 ) -> list[torch.Tensor | None]:
     """The gradients in the dtype of what they update: master weights, else the parameters."""
+    param_buffers, master = state.param_buffers, state.master
     dtypes = [master.dtype(g) or buf.dtype for g, buf in enumerate(param_buffers.buffers)]
-    if all(g is None or g.dtype == dtypes[p.group] for g, p in zip(grads, param_buffers.pieces)):
-        return grads  # the usual case: nothing to convert
+    # each group's gradients come in one dtype: its shards' (reduced) or its parameters'
+    # (checked against them): the usual case converts nothing and looks at no gradient
+    held = state.reducer.shards if reduced else param_buffers.buffers
+    if [t.dtype for t in held] == dtypes:
+        return grads
     out = []
     for g, piece in zip(grads, param_buffers.pieces):
         dtype = dtypes[piece.group]

@@ -29,6 +29,8 @@ class BucketMap:
         # step() asks for the same views every step: kept with the tensors they view
         self._shard_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._view_places: tuple[list[int], list[int], list[Any]] | None = None
+        self._piece_places: list[tuple[int, int, int, bool]] | None = None
+        self._compact: dict[BucketKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._map_buckets()
 
     def _map_buckets(self) -> None:
@@ -80,9 +82,16 @@ class BucketMap:
         return self.plan.groups[key[0]].buckets[key[1]]
 
     def compact(self, shards: Sequence[torch.Tensor], key: BucketKey) -> torch.Tensor:
-        """Bucket ``key``'s part of compact shards ``shards`` (one per group)."""
+        """Bucket ``key``'s part of compact shards ``shards`` (one per group); the view is
+        kept with its shard, for the shards that come back every step."""
+        shard = shards[key[0]]
+        cached = self._compact.get(key)
+        if cached is not None and cached[0] is shard:
+            return cached[1]
         off = self.shard_offsets[key]
-        return shards[key[0]][off : off + self.bucket(key).shards[self.rank]]
+        view = shard[off : off + self.bucket(key).shards[self.rank]]
+        self._compact[key] = (shard, view)
+        return view
 
     def piece_views(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each piece's elements of compact shards ``shards`` (one per group), as 1-D views
@@ -95,18 +104,26 @@ class BucketMap:
         self._shard_views = (list(shards), views)
         return list(views)
 
-    def grad_views(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Each piece's elements of full gradients ``grads`` (one per plan tensor), as views."""
-        out: list[torch.Tensor | None] = []
-        for p in self.pieces:
-            g = grads[p.tensor]
-            if g is None:
-                out.append(None)
-            elif p.start == 0 and p.stop == g.numel():  # a whole tensor: one view, not two
-                out.append(g.view(-1))
-            else:
-                out.append(g.view(-1)[p.start : p.stop])
-        return out
+    def grad_views(
+        self, grads: Sequence[torch.Tensor | None], *, shaped: bool = False
+    ) -> list[torch.Tensor | None]:
+        """Each piece's elements of full gradients ``grads`` (one per plan tensor), as 1-D views;
+        with ``shaped``, a piece that is a whole tensor is its gradient as it is (no view: no
+        operator per tensor, see [Note: prepared bucket updates])."""
+        if self._piece_places is None:
+            numels = [spec.numel for spec in self.plan.tensors]
+            self._piece_places = [
+                (p.tensor, p.start, p.stop, p.start == 0 and p.stop == numels[p.tensor])
+                for p in self.pieces
+            ]
+        return [
+            None
+            if (g := grads[t]) is None
+            else (g if shaped else g.view(-1))
+            if whole
+            else g.view(-1)[a:b]
+            for t, a, b, whole in self._piece_places
+        ]
 
     def bucket_shard(self, key: BucketKey) -> torch.Tensor:
         """This rank's shard of bucket ``key``, as a view of the parameter buffer."""
@@ -146,18 +163,19 @@ class BucketMap:
 
     def _still_views(self, params: Sequence[torch.Tensor]) -> bool:
         """The fast path of check_views: every local tensor where and as it was (the addresses
-        are computed once per set of buffers)."""
+        and shapes are computed once per set of buffers, and compared at C speed: the
+        comprehensions call no Python per tensor)."""
         bases = [b.data_ptr() for b in self.buffers]
         if self._view_places is None or self._view_places[0] != bases:
             addresses = [self.address_of(t) for t in range(len(self.plan.tensors))]
-            shapes = [spec.shape for spec in self.plan.tensors]
+            shapes = [torch.Size(spec.shape) for spec in self.plan.tensors]
             self._view_places = (bases, addresses, shapes)
         _, addresses, shapes = self._view_places
-        for p, address, shape in zip(params, addresses, shapes):
-            p = local_tensor(p)
-            if (p.numel() > 0 and p.data_ptr() != address) or p.shape != shape:
-                return False
-        return True
+        if not _PLAIN.issuperset(map(type, params)):  # DTensors: their local tensors
+            params = [local_tensor(p) for p in params]
+        # (an empty view of the buffer has its place's address too; any other mismatch goes
+        # to check_views' slow path, which ignores the addresses of empty tensors)
+        return [p.shape for p in params] == shapes and [p.data_ptr() for p in params] == addresses
 
     def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
         """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
@@ -173,6 +191,9 @@ class BucketMap:
                     "elsewhere"
                 )
         return None
+
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _gaps(packing: Sequence[tuple[int, int, int]], numel: int) -> tuple[tuple[int, int], ...]:

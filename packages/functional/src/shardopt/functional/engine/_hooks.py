@@ -11,6 +11,7 @@ from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey
 from shardopt.functional.engine._compiled_wait import compiled_wait, hook_ancestors
 from shardopt.functional.engine._failure import failing_together
+from shardopt.functional.engine._mesh import local_tensors
 from shardopt.functional.engine._param_buffers import ParamBuffers
 from shardopt.functional.engine._reduction import GradShards
 
@@ -39,6 +40,15 @@ __all__ = [
 # waited first thing. ``GradHooks.launched_early`` reports the
 # fraction of the last pass's elements launched while some gradient of the pass was still to
 # come (before the last gradient hook): the part of the reduction that backward can hide.
+#
+# [Note: per-bucket hooks]
+# torch calls a post-accumulate-grad hook once per parameter, so the hook itself is the one
+# Python call per gradient; it does no more than mark the gradient present and count its
+# bucket down (list updates in its own frame: no operator, no further call). The gradient that
+# completes a bucket calls once more, to launch the buckets now ready in launch order; the
+# launch reads the bucket's gradients in one list, packs them with one foreach copy
+# (``GradShards.start_reduce``) and, at stage 2, frees them. Per bucket, not per gradient: the
+# hooks cost about one Python call per gradient and a few operators per bucket.
 #
 # [Note: compiled forward]
 # Dynamo traces the forward pre-hooks of register_param_hooks with the forward. A wait that breaks
@@ -109,7 +119,9 @@ class GradReducer:
         self.param_buffers = param_buffers
         self.grads = GradShards(param_buffers)
         self.free_grads = free_grads
+        self.direct = False  # stage 1 at W = 1 steps on the gradients: see _shard.py
         self.present = [False] * len(param_buffers.plan.tensors)
+        self._ready = [False] * len(param_buffers.plan.tensors)
         self.accumulate = False
         self.launched_early = 0.0
         self._params: list[torch.Tensor] | None = None
@@ -129,7 +141,7 @@ class GradReducer:
         """Reduces full local ``grads`` (one per plan tensor) and returns which were present."""
         for key in self.grads.order:
             self.grads.start_reduce(key, grads, accumulate=self.accumulate)
-        self.present = [g is not None for g in grads]
+        self.present[:] = [g is not None for g in grads]
         return self.finish()
 
     def finish(self) -> list[bool]:
@@ -137,7 +149,8 @@ class GradReducer:
         if self._queued:
             raise RuntimeError("shard: step called during a backward pass")
         self.grads.finish_reduce()
-        present, self.present = self.present, [False] * len(self.present)
+        present = list(self.present)
+        self.present[:] = [False] * len(present)  # in place: the hooks hold this list
         self.accumulate = False
         return present
 
@@ -161,50 +174,59 @@ class GradReducer:
         self._reset_pass()
 
     def _hook_for(self, i: int) -> Callable[[torch.Tensor], None]:
+        """Tensor ``i``'s hook: a few list updates and nothing else, unless it completes the
+        next bucket to launch ([Note: per-bucket hooks])."""
+        ready, present, left = self._ready, self.present, self.grads.left
+        b = self.grads.position[i]
+
         def hook(p: torch.Tensor) -> None:
             del p
-            self._on_grad(i)
+            if not self._queued:
+                self._queue_end_of_backward()
+            ready[i] = present[i] = True
+            self._hooks_run += 1
+            left[b] -= 1
+            if not left[b]:  # the bucket's last gradient: launch what is ready, in order
+                self._launch_ready()
 
         return hook
 
     def _reset_pass(self) -> None:
         params = self._params
         trainable = [p.requires_grad for p in params] if params else [False] * len(self.present)
-        self._ready = [False] * len(self.present)
+        self._ready[:] = [False] * len(self.present)  # in place: the hooks hold these lists
         self.grads.expect(trainable)  # counts each bucket's readiness
         self._queued = False
         self._hooks_run = 0
         self._launches: list[tuple[int, int]] = []  # (hooks run before it, elements)
 
-    def _on_grad(self, i: int) -> None:
+    def _queue_end_of_backward(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._queued = True
+
+    def _launch_ready(self) -> None:
+        """Launches the buckets that are ready, in order (the hook of a bucket's last gradient)."""
         with failing_together("register_grad_hooks"):
-            if not self._queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._queued = True
-            self._ready[i] = self.present[i] = True
-            self._hooks_run += 1
-            for key in self.grads.mark_ready(i):
+            for key in self.grads.take_ready():
                 self._launch(key)
 
     def _launch(self, key: BucketKey) -> None:
         """Launches bucket ``key``'s reduction, counts it, and (stage 2) frees the full
-        gradients it packed."""
-        assert self._params is not None
+        gradients it packed: the same few calls whatever the bucket's tensors."""
+        params = self._params
+        assert params is not None
         tensors = self.param_buffers.bucket_tensors[key]
-        grads = {t: self._ready_grad(t) for t in tensors}
-        self.grads.start_reduce(key, grads, accumulate=self.accumulate)
+        ready = self._ready
+        grads = [params[t].grad for t in tensors]  # of a DTensor parameter: its local tensor
+        if self.free_grads:  # stage 2: this pass's gradients only (stage 1: .grad, the sum of
+            grads = [g if ready[t] else None for g, t in zip(grads, tensors)]  # the passes)
+        grads = local_tensors(grads)
+        self.grads.start_reduce(key, dict(zip(tensors, grads)), accumulate=self.accumulate)
         self._launches.append((self._hooks_run, self.param_buffers.bucket(key).numel))
         if self.free_grads:
             for t in tensors:
-                if self._ready[t]:
-                    self._params[t].grad = None  # packed: free it
-
-    def _ready_grad(self, t: int) -> torch.Tensor | None:
-        assert self._params is not None
-        grad = self._params[t].grad  # of a DTensor parameter: its local tensor
-        if self.free_grads and not self._ready[t]:  # stage 2: this pass's gradients only
-            return None  # (stage 1: .grad, the sum of the step's passes so far)
-        return None if grad is None else local_tensor(grad)
+                if ready[t]:
+                    params[t].grad = None  # packed: free it
 
     def _end_of_backward(self) -> None:
         with failing_together("register_grad_hooks"):

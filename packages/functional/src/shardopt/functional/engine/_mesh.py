@@ -159,4 +159,9 @@ def _local_offsets(p: Any) -> Sequence[int]:
 def local_tensors(tree: PyTree) -> list[Any]:
     """The leaves of ``tree``, a DTensor as its local tensor ([Note: DTensor parameters])."""
     leaves = tree if type(tree) is list else tree_leaves(tree)
+    if _PLAIN_OR_NONE.issuperset(map(type, leaves)):  # no DTensor: nothing per leaf in Python
+        return list(leaves)
     return [x if x is None else local_tensor(x) for x in leaves]
+
+
+_PLAIN_OR_NONE = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))

@@ -6,11 +6,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardopt.core import Plan
 from shardopt.core.blocks import local_tensor
 from shardopt.functional.engine._buckets import BucketKey, BucketMap
-from shardopt.functional.engine._collectives import Algorithm, Pending, ProcessGroup
+from shardopt.functional.engine._collectives import (
+    Algorithm,
+    Pending,
+    ProcessGroup,
+    resolve_algorithm,
+)
 from shardopt.functional.engine._storage import ParamStorage, StagedStorage, ViewStorage
 
 __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
@@ -89,7 +95,13 @@ class ParamBuffers(BucketMap):
     ) -> None:
         if storage is None:  # (a staged storage serves parameter syncs only: no buffers)
             _check_buffers(plan, buffers)
-        self.group, self.algorithm = group, Algorithm(algorithm)
+        self.group = group
+        # AUTO made concrete once, for the buffers' device (every group's, where they share it):
+        # the collectives then read no process-group fact to choose their calls
+        devices = {b.device for b in buffers}
+        self.algorithm = Algorithm(algorithm)
+        if len(devices) == 1 and dist.is_initialized():
+            self.algorithm = resolve_algorithm(self.algorithm, group, devices.pop())
         self.replicate = replicate  # the other replicas' group ([Note: hybrid sharding])
         self._tensor_parallel: Any = None  # see [Note: tensor-parallel norms]
         self._global_places: Any = None  # see [Note: tensor-parallel checkpoints]

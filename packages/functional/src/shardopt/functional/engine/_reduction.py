@@ -5,7 +5,9 @@ sums."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Mapping, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -200,6 +202,20 @@ def _reduction_for(param_buffers: ParamBuffers) -> Reduction:
     )
 
 
+_SHARD = ("gradient shard",)  # the tag of views of the gradient shards themselves
+
+# [Note: one rank's gradients]
+# In a world of one rank (and no replicas, no wire dtype) the average of the local gradients is
+# the gradients. Stage 1 without hooks and without the health check then steps on them as they
+# are, where the tensors are large (DIRECT_NUMEL elements or more on average, in _shard.py): no
+# copy, the update over each bucket's pieces ([Note: prepared bucket updates]). Elsewhere a
+# bucket is packed straight into its part of the gradient shard (at W = 1 the rank's shard of a
+# bucket is the whole bucket, laid out alike), with no staging and no collective: one foreach
+# copy, after which the bucket can be updated as one tensor, cheaper than a list of many small
+# pieces. Accumulation (a second backward pass before the step, with hooks) still goes through
+# the staging, whose reduction adds.
+
+
 class GradShards:
     """This rank's compact gradient shard of each group of ``param_buffers``, and the bucket
     reductions that fill them (see [Note: gradient shards])."""
@@ -210,9 +226,18 @@ class GradShards:
         self._shards: tuple[torch.Tensor, ...] = ()
         self._staging: GradStaging | None = None
         self._queue = PendingQueue()
-        self._expected: dict[BucketKey, int] = {}  # gradients each bucket still waits for
+        # (staging tag, bucket) -> each tensor's view of that staging row, and its padding's
+        self._views: dict[tuple[Hashable, BucketKey], Any] = {}
+        # one rank, no replicas, gradients in the shards' dtype: [Note: one rank's gradients]
+        self._alone: bool | None = None  # (known at the first reduction: it needs the group)
         self.order = tuple(reversed(param_buffers.keys))  # the launch order: the last bucket first
-        self._next = 0  # the next bucket of order to launch
+        # each plan tensor's bucket, by its position in the launch order
+        where = {key: i for i, key in enumerate(self.order)}
+        self.position = tuple(
+            where[param_buffers.touching[t]] for t in range(len(param_buffers.plan.tensors))
+        )
+        self.left = [0] * len(self.order)  # gradients each bucket (in launch order) waits for
+        self.next_position = 0  # the next bucket of order to launch
 
     @property
     def shards(self) -> tuple[torch.Tensor, ...]:
@@ -265,18 +290,18 @@ class GradShards:
         a list over the plan, or a dict over the bucket) and launches their average into this
         rank's gradient shard (added to it with ``accumulate``)."""
         param_buffers, shards = self.param_buffers, self.shards
-        staging, scratch, tag = self._staging_for(key)
-        for lo, hi in param_buffers.gaps[
-            key
-        ]:  # padding: zeros (touched only here, not the whole slot)
-            staging[lo:hi].zero_()
-        for t, lo, n in param_buffers.packing[key]:
-            grad = grads[t]
-            if grad is None:
-                staging[lo : lo + n].zero_()
-            else:
-                staging[lo : lo + n].copy_(grad.reshape(-1))
         out = param_buffers.compact(shards, key)
+        if self._alone is None:
+            self._alone = (
+                dist.get_world_size(param_buffers.group) == 1
+                and param_buffers.replicate is None
+                and param_buffers.comm_dtype is None
+            )
+        if self._alone and not accumulate:  # [Note: one rank's gradients]
+            self._pack(key, out, _SHARD, grads)
+            return
+        staging, scratch, tag = self._staging_for(key)
+        self._pack(key, staging, tag, grads)
         part = out if param_buffers.replicate is None else torch.empty_like(out)
         g = key[0]
         pending = self.reduction.bucket(
@@ -291,6 +316,39 @@ class GradShards:
             pending = self.reduction.across(g, pending, part, out, accumulate=accumulate)
         self._queue.push(tag, pending)
 
+    def _pack(
+        self, key: BucketKey, staging: torch.Tensor, tag: Hashable, grads: LocalGrads
+    ) -> None:
+        """Copies bucket ``key``'s gradients into ``staging`` by one foreach copy, and zeros
+        its padding and the places of missing gradients by one foreach zero (see [Note:
+        gradient staging]): two operators per bucket, whatever its tensors."""
+        views = self._views.get((tag, key))
+        if views is None:
+            views = self._staging_views(key, staging)
+            if tag is _SHARD or key[1] not in self._staging.oversized[key[0]]:  # type: ignore[union-attr]
+                self._views[(tag, key)] = views  # a persistent row: the same views next time
+        dsts, zeros = views
+        srcs = [grads[t] for t in self.param_buffers.bucket_tensors[key]]
+        if not all(map(operator.is_not, srcs, repeat(None))):
+            zeros = zeros + [d for d, g in zip(dsts, srcs) if g is None]
+            dsts = [d for d, g in zip(dsts, srcs) if g is not None]
+            srcs = [g for g in srcs if g is not None]
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if srcs:
+            torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]  # any layout and dtype
+
+    def _staging_views(
+        self, key: BucketKey, staging: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each tensor's place in bucket ``key``'s ``staging``, in its shape, and the padding."""
+        specs = self.param_buffers.plan.tensors
+        dsts = [
+            staging[lo : lo + n].view(specs[t].shape)
+            for t, lo, n in self.param_buffers.packing[key]
+        ]
+        return dsts, [staging[lo:hi] for lo, hi in self.param_buffers.gaps[key]]
+
     @property
     def pending(self) -> bool:
         """Whether some bucket's reduction is still in flight."""
@@ -302,27 +360,30 @@ class GradShards:
 
     def expect(self, trainable: Sequence[bool]) -> None:
         """Starts counting a backward pass: each bucket waits for the gradients of its tensors
-        ``t`` with ``trainable[t]``."""
-        param_buffers = self.param_buffers
-        self._expected = {
-            key: sum(1 for t in param_buffers.bucket_tensors[key] if trainable[t])
-            for key in param_buffers.keys
-        }
-        self._next = 0
+        ``t`` with ``trainable[t]`` (``left``, by launch position, updated in place)."""
+        buckets = self.param_buffers.bucket_tensors
+        self.left[:] = [sum([trainable[t] for t in buckets[key]]) for key in self.order]
+        self.next_position = 0
 
     def mark_ready(self, t: int) -> list[BucketKey]:
         """Counts plan tensor ``t``'s gradient ready; returns the buckets to launch now, in
-        order: each has all its gradients and every bucket after it is launched."""
-        self._expected[self.param_buffers.touching[t]] -= 1
-        start = self._next
-        while self._next < len(self.order) and self._expected[self.order[self._next]] == 0:
-            self._next += 1
-        return list(self.order[start : self._next])
+        order: each has all its gradients and every bucket after it is launched. (The gradient
+        hooks do the count themselves, then :meth:`take_ready`.)"""
+        self.left[self.position[t]] -= 1
+        return self.take_ready()
+
+    def take_ready(self) -> list[BucketKey]:
+        """The buckets to launch now, in order, counted as launched: from the next one, each
+        with all its gradients."""
+        start = self.next_position
+        while self.next_position < len(self.order) and not self.left[self.next_position]:
+            self.next_position += 1
+        return list(self.order[start : self.next_position])
 
     def unstarted(self) -> list[BucketKey]:
         """The buckets not launched in this pass, in launch order (the end of a backward pass,
         where some tensors had no gradient); they count as launched from here."""
-        start, self._next = self._next, len(self.order)
+        start, self.next_position = self.next_position, len(self.order)
         return list(self.order[start:])
 
 

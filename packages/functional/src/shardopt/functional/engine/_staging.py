@@ -36,15 +36,16 @@ class Slots:
     def __init__(self, tag: Hashable, rows: int, numel: int, like: torch.Tensor) -> None:
         self.tag = tag
         self.rows = like.new_empty((rows, numel))
+        self._rows = list(self.rows.unbind(0))  # each row's view, made once
         self._next = 0
 
     def take(self, queue: PendingQueue) -> tuple[torch.Tensor, Hashable]:
         """The next row, free (its last collective completed), and its tag for ``queue``."""
         row = self._next
-        self._next = (row + 1) % self.rows.shape[0]
+        self._next = (row + 1) % len(self._rows)
         tag = (self.tag, row)
         queue.release(tag)
-        return self.rows[row], tag
+        return self._rows[row], tag
 
 
 class GradStaging:
@@ -65,6 +66,8 @@ class GradStaging:
         self.algorithm, self.group, self.widened = algorithm, group, widened
         self.oversized = tuple(oversized(plan, g) for g in range(len(plan.groups)))
         self._slots: list[Slots | None] = [None] * len(plan.groups)
+        # (bucket, row tag) -> the bucket's staging and scratch in that row: made once
+        self._views: dict[tuple[tuple[int, int], Hashable], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def allocated(self) -> tuple[torch.Tensor, ...]:
@@ -91,7 +94,10 @@ class GradStaging:
             numel_per_row = staging_numel(self.plan, g, algo, widened=self.widened) // count
             slots = self._slots[g] = Slots(g, count, numel_per_row, like)
         row, tag = slots.take(queue)
-        return row[: bucket.numel], row[bucket.numel : numel], tag
+        views = self._views.get((key, tag))
+        if views is None:
+            views = self._views[(key, tag)] = (row[: bucket.numel], row[bucket.numel : numel])
+        return views[0], views[1], tag
 
 
 def oversized(plan: Plan, g: int) -> frozenset[int]:

@@ -66,6 +66,8 @@ __all__ = [
 # - ``stats``: the global gradient norm and whether the last step was skipped (or None).
 # - ``labels``: for a core ``partition``, each plan tensor's label and each label's fields (see
 #   [Note: labels of a sharded partition]), or None.
+# - ``updates``: each bucket's update prepared on its first step ([Note: prepared bucket
+#   updates] in engine/_update.py); it holds views of the tensors above, nothing of its own.
 #
 # Leaves of ``inner`` outside fields (a transform with a global, not per-parameter, state) stay as
 # they are; they are replicated, never sharded. The hyperparameters of an ``inject_hyperparams``
@@ -104,6 +106,7 @@ class ShardedState(NamedTuple):
     reducer: Any
     stats: StepStats | None
     labels: Labels | None = None
+    updates: Any = None  # the buckets' prepared updates (BucketUpdates, in _update.py)
 
     @property
     def layout(self) -> ParamBuffers:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import torch
@@ -124,6 +123,52 @@ def _write(p: torch.Tensor, src: torch.Tensor) -> None:
         p.detach().copy_(src.view(p.shape))
 
 
+class _Packing:
+    """One bucket's staged sync through one staging row: this rank's tensors copied in and the
+    others' copied out by one foreach copy each, over views made once (a tensor cut by this
+    rank's shard, in a flat plan, is copied by its own slice)."""
+
+    def __init__(
+        self,
+        staging: torch.Tensor,
+        spans: list[tuple[int, int, int]],
+        lo: int,
+        hi: int,
+        params: Sequence[torch.Tensor],
+    ) -> None:
+        self.staging = staging
+        mine = [(t, pos, n) for t, pos, n in spans if lo <= pos and pos + n <= hi]
+        others = [(t, pos, n) for t, pos, n in spans if pos + n <= lo or pos >= hi]
+        self.cut = [(t, pos, n) for t, pos, n in spans if (t, pos, n) not in mine + others]
+        self.lo, self.hi, self.params = lo, hi, params
+        self.ins = (
+            [staging[p : p + n].view(params[t].shape) for t, p, n in mine],
+            [params[t] for t, _, _ in mine],
+        )
+        self.outs = (
+            [params[t] for t, _, _ in others],
+            [staging[p : p + n].view(params[t].shape) for t, p, n in others],
+        )
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        if self.ins[0]:
+            torch._foreach_copy_(
+                self.ins[0], self.ins[1]
+            )  # (under no_grad: the leaves as they are)
+        for t, pos, n in self.cut:
+            a, b = max(pos, self.lo), min(pos + n, self.hi)
+            if a < b:
+                self.staging[a:b].copy_(_read(self.params[t])[a - pos : b - pos])
+
+    @torch.no_grad()
+    def unpack(self) -> None:
+        if self.outs[0]:
+            torch._foreach_copy_(self.outs[0], self.outs[1])
+        for t, pos, n in self.cut:
+            _write(self.params[t], self.staging[pos : pos + n])
+
+
 class StagedStorage:
     """Parameters in their own storage, synced through staging rows (see [Note: staged parameter
     sync]). ``params`` are the plan's tensors in its order."""
@@ -143,6 +188,7 @@ class StagedStorage:
         self.world = dist.get_world_size(group)
         self.slots: dict[int, Slots] = {}
         self._queue = PendingQueue()  # the staged gathers in flight, by the row they use
+        self._packings: dict[tuple[tuple[int, int], Hashable], _Packing] = {}
 
     def _slots(self, g: int) -> Slots:
         if g not in self.slots:
@@ -177,15 +223,15 @@ class StagedStorage:
         if t is not None:
             return self._broadcast_whole(t)
         row, tag = self._slots(g).take(self._queue)
-        staging = row[: bucket.numel]
         lo = bucket.shard_start(self.rank) - bucket.start
         hi = lo + bucket.shards[self.rank]
-        spans = self._spans(g, bucket)
-        with torch.no_grad():
-            for t, pos, n in spans:
-                a, b = max(pos, lo), min(pos + n, hi)
-                if a < b:
-                    staging[a:b].copy_(_read(self.params[t])[a - pos : b - pos])
+        packing = self._packings.get((key, tag))
+        if packing is None:
+            packing = self._packings[(key, tag)] = _Packing(
+                row[: bucket.numel], self._spans(g, bucket), lo, hi, self.params
+            )
+        staging = packing.staging
+        packing.pack()
         work = all_gather_bucket(
             staging,
             Bucket(0, bucket.shards),
@@ -193,17 +239,9 @@ class StagedStorage:
             async_op=True,
             algorithm=self.algorithm,
         )
-        pending = Pending([work], functools.partial(self._unpack, spans, staging, lo, hi))
+        pending = Pending([work], packing.unpack)
         self._queue.push(tag, pending)
         return pending
-
-    def _unpack(
-        self, spans: list[tuple[int, int, int]], staging: torch.Tensor, lo: int, hi: int
-    ) -> None:
-        for t, pos, n in spans:
-            if lo <= pos and pos + n <= hi:
-                continue  # wholly this rank's: already there
-            _write(self.params[t], staging[pos : pos + n])
 
     def _broadcast_whole(self, t: int) -> Pending:
         assert self.plan.owners is not None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from shardopt.core.blocks import (
     update_whole_,
     whole_tensor_mask,
 )
+from shardopt.functional.engine._bucket_update import BucketUpdates, flat_grads
 from shardopt.functional.engine._compiled import compiled_update
 from shardopt.functional.engine._masters import Masters
 from shardopt.functional.engine._param_buffers import ParamBuffers
@@ -148,7 +151,7 @@ def _update(
     reducing: bool = False,
 ) -> None:
     # a reducing update runs on every rank, with or without pieces: its blocks are collectives
-    if (lo >= hi or all(g is None for g in grads[lo:hi])) and not reducing:
+    if (lo >= hi or not any(map(operator.is_not, grads[lo:hi], repeat(None)))) and not reducing:
         return
     n = len(params)
     state = inner if (lo, hi) == (0, n) else slice_state(inner, n, lo, hi)
@@ -208,6 +211,9 @@ def update_and_sync(
     param_buffers: ParamBuffers,
     grads: Sequence[torch.Tensor | None],
     master: Masters,
+    updates: BucketUpdates | None = None,
+    grad_shards: Sequence[torch.Tensor] | None = None,
+    grads_shaped: bool = False,
 ) -> None:
     """Updates this rank's pieces with ``grads`` (one per piece) and syncs the parameters.
 
@@ -215,11 +221,16 @@ def update_and_sync(
     with master weights are updated on the float32 views ``master`` gives, bucket by bucket
     where the update is, and written back into the parameter buffer just before each bucket's
     gather ([Note: master weights]). Returns with the gathers in flight when param hooks are
-    registered (``param_buffers.deferred``), else when they are done.
+    registered (``param_buffers.deferred``), else when they are done. ``updates`` prepares and
+    runs the buckets that can go through one call each ([Note: prepared bucket updates] in
+    _bucket_update.py); ``grad_shards`` are the compact gradient shards ``grads`` view, if they
+    do; with ``grads_shaped`` the gradients of whole pieces come in their tensors' shapes
+    (every path but the prepared ones flattens them).
     """
     params: list[torch.Tensor] = list(param_buffers.param_views())
     compiled = compiled_update(param_buffers)  # [Note: compiled updates]: one call, then gathers
     if compiled is not None:
+        grads = flat_grads(grads) if grads_shaped else grads
         with in_scope(compiled.scope):
             done = compiled.run(inner, params, grads, master)
         if done:
@@ -232,6 +243,7 @@ def update_and_sync(
     reducing = reduces(tx)
     sliceable = _sliceable(inner, len(params)) and not (param_buffers.deferred or whole or reducing)
     if not sliceable:  # one update of every piece: every bucket's masters at once
+        grads = flat_grads(grads) if grads_shaped else grads
         master.views_for_update(params, param_buffers.keys)
     with in_scope(param_buffers.scope):  # masks and labels see whole tensors; blocks reduce
         if whole:  # in their tensors' shapes where the plan owns them whole, else 1-D
@@ -239,12 +251,21 @@ def update_and_sync(
         elif not sliceable:
             _update(tx, inner, params, grads, 0, len(params), reducing)
 
+    if sliceable and updates is not None:
+        updates.begin(tx, inner)
     for key in param_buffers.keys:  # each bucket's pieces updated (where sliceable), then gathered
         if sliceable:
-            master.views_for_update(params, (key,))
             lo, hi = param_buffers.piece_ranges[key]
-            with in_scope(_narrowed(param_buffers.scope, lo, hi)):
-                _update(tx, inner, params, grads, lo, hi)
+            plain = updates is not None and master.dtype(key[0]) is None
+            ran = plain and updates.run(key, inner, params, grads, grad_shards, grads_shaped)  # type: ignore[union-attr]
+            if not ran:
+                if grads_shaped:
+                    grads = [*grads[:lo], *flat_grads(grads[lo:hi]), *grads[hi:]]
+                master.views_for_update(params, (key,))
+                with in_scope(_narrowed(param_buffers.scope, lo, hi)):
+                    _update(tx, inner, params, grads, lo, hi)
         master.write_back(key)
         param_buffers.start_param_sync(key)
+    if sliceable and updates is not None:
+        updates.end()
     param_buffers.finish_param_syncs()
