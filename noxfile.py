@@ -228,6 +228,8 @@ def bench(session: nox.Session) -> None:
         "bench_state_dtype.py",
         "bench_muon_balance.py",
         "bench_fail_fast.py",
+        "bench_host.py",
+        "bench_host_large.py",
     ):
         session.run(python, f"benchmarks/{script}", env=env, external=True)
     shardopt = os.path.join(bin_dir, "shardopt")
