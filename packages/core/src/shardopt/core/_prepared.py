@@ -64,13 +64,6 @@ class Prepared:
         # the fused kernels walk memory in order: every tensor laid out alike (select_kernel)
         self.fusable = all(p.is_contiguous() for p in params)
 
-    def suits(self, params: Tensors) -> bool:
-        """Whether these are prepared tensors of one float dtype and one device."""
-        p0 = params[0]
-        return p0.dtype in FLOAT_DTYPES and all(
-            p.dtype == p0.dtype and p.device == p0.device for p in params
-        )
-
 
 def _consecutive(counts: Tensors) -> torch.Tensor | None:
     """One tensor whose elements are ``counts`` in order (0-d views of consecutive elements of
@@ -105,8 +98,12 @@ def prepare(params: Tensors, state: Sequence[Any], base: Any) -> Prepared | None
     """The preparation of ``params`` and ``state`` (the one in ``base`` where it is for them)."""
     if isinstance(base, Prepared) and _same_tensors(base.params, params):
         return base
-    prepared = Prepared(params, state)
-    return prepared if prepared.suits(prepared.params) else None
+    p0 = params[0]  # tensors of one float dtype and one device, or none prepared
+    if p0.dtype not in FLOAT_DTYPES or any(
+        p.dtype != p0.dtype or p.device != p0.device for p in params
+    ):
+        return None
+    return Prepared(params, state)
 
 
 def prepared_update(

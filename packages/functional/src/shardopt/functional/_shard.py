@@ -284,7 +284,6 @@ def _init(
     reducer = None
     if opts.reduces:
         reducer = GradReducer(param_buffers, free_grads=opts.stage is Stage.GRADIENTS)
-        reducer.direct = _direct(opts, param_buffers, dist.get_world_size(group))
     updates = BucketUpdates(tx, param_buffers, fields)  # [Note: prepared bucket updates]
     return ShardedState(inner, fields, param_buffers, master, reducer, None, labels, updates)
 
@@ -407,18 +406,6 @@ def _reduced_grads(
         for p in params:
             p.grad = None
     return error, present, _present_views(state, present)
-
-
-DIRECT_NUMEL = 1 << 16  # [Note: one rank's gradients]
-
-
-def _direct(opts: ShardOptions, param_buffers: ParamBuffers, world: int) -> bool:
-    """Whether stage 1 steps on the caller's gradients themselves ([Note: one rank's
-    gradients]): one rank, no replicas, no wire dtype, large tensors on average."""
-    plan = param_buffers.plan
-    mean = sum(t.numel for t in plan.tensors) / max(1, len(plan.tensors))
-    one = world == 1 and param_buffers.replicate is None and opts.comm_dtype is None
-    return one and opts.stage is Stage.OPTIMIZER_STATE and mean >= DIRECT_NUMEL
 
 
 def _to_update_dtype(

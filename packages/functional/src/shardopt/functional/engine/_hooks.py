@@ -119,7 +119,6 @@ class GradReducer:
         self.param_buffers = param_buffers
         self.grads = GradShards(param_buffers)
         self.free_grads = free_grads
-        self.direct = False  # stage 1 at W = 1 steps on the gradients: see _shard.py
         self.present = [False] * len(param_buffers.plan.tensors)
         self._ready = [False] * len(param_buffers.plan.tensors)
         self.accumulate = False
@@ -131,6 +130,12 @@ class GradReducer:
     def shards(self) -> tuple[torch.Tensor, ...]:
         """This rank's averaged gradient shard of each group (compact)."""
         return self.grads.shards
+
+    @property
+    def direct(self) -> bool:
+        """Whether a step without hooks takes the caller's gradients as they are: stage 1 of
+        one rank with large tensors ([Note: one rank's gradients] in _reduction.py)."""
+        return not self.free_grads and self.grads.direct
 
     @property
     def hooked(self) -> bool:

@@ -202,12 +202,15 @@ def _reduction_for(param_buffers: ParamBuffers) -> Reduction:
     )
 
 
-_SHARD = ("gradient shard",)  # the tag of views of the gradient shards themselves
+_SHARD = ("gradient shard",)
+DIRECT_NUMEL = (
+    1 << 16
+)  # [Note: one rank's gradients]  # the tag of views of the gradient shards themselves
 
 # [Note: one rank's gradients]
 # In a world of one rank (and no replicas, no wire dtype) the average of the local gradients is
 # the gradients. Stage 1 without hooks and without the health check then steps on them as they
-# are, where the tensors are large (DIRECT_NUMEL elements or more on average, in _shard.py): no
+# are, where the tensors are large (DIRECT_NUMEL elements or more on average): no
 # copy, the update over each bucket's pieces ([Note: prepared bucket updates]). Elsewhere a
 # bucket is packed straight into its part of the gradient shard (at W = 1 the rank's shard of a
 # bucket is the whole bucket, laid out alike), with no staging and no collective: one foreach
@@ -229,7 +232,8 @@ class GradShards:
         # (staging tag, bucket) -> each tensor's view of that staging row, and its padding's
         self._views: dict[tuple[Hashable, BucketKey], Any] = {}
         # one rank, no replicas, gradients in the shards' dtype: [Note: one rank's gradients]
-        self._alone: bool | None = None  # (known at the first reduction: it needs the group)
+        self._alone: bool | None = None  # (known at first use: it needs the group)
+        self._direct: bool | None = None
         self.order = tuple(reversed(param_buffers.keys))  # the launch order: the last bucket first
         # each plan tensor's bucket, by its position in the launch order
         where = {key: i for i, key in enumerate(self.order)}
@@ -291,13 +295,7 @@ class GradShards:
         rank's gradient shard (added to it with ``accumulate``)."""
         param_buffers, shards = self.param_buffers, self.shards
         out = param_buffers.compact(shards, key)
-        if self._alone is None:
-            self._alone = (
-                dist.get_world_size(param_buffers.group) == 1
-                and param_buffers.replicate is None
-                and param_buffers.comm_dtype is None
-            )
-        if self._alone and not accumulate:  # [Note: one rank's gradients]
+        if self.alone and not accumulate:  # [Note: one rank's gradients]
             self._pack(key, out, _SHARD, grads)
             return
         staging, scratch, tag = self._staging_for(key)
@@ -315,6 +313,26 @@ class GradShards:
         if part is not out:
             pending = self.reduction.across(g, pending, part, out, accumulate=accumulate)
         self._queue.push(tag, pending)
+
+    @property
+    def alone(self) -> bool:
+        """One rank, no replicas, no wire dtype: the average of the local gradients is the
+        gradients ([Note: one rank's gradients])."""
+        if self._alone is None:
+            pb = self.param_buffers
+            one = dist.get_world_size(pb.group) == 1
+            self._alone = one and pb.replicate is None and pb.comm_dtype is None
+        return self._alone
+
+    @property
+    def direct(self) -> bool:
+        """Whether a step without hooks may take the caller's gradients as they are, not
+        reduced (alone, with large tensors: [Note: one rank's gradients])."""
+        if self._direct is None:  # (once: step asks every step)
+            specs = self.param_buffers.plan.tensors
+            large = sum(t.numel for t in specs) >= DIRECT_NUMEL * max(1, len(specs))
+            self._direct = self.alone and large
+        return self._direct
 
     def _pack(
         self, key: BucketKey, staging: torch.Tensor, tag: Hashable, grads: LocalGrads

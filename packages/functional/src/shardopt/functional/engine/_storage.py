@@ -137,9 +137,14 @@ class _Packing:
         params: Sequence[torch.Tensor],
     ) -> None:
         self.staging = staging
-        mine = [(t, pos, n) for t, pos, n in spans if lo <= pos and pos + n <= hi]
-        others = [(t, pos, n) for t, pos, n in spans if pos + n <= lo or pos >= hi]
-        self.cut = [(t, pos, n) for t, pos, n in spans if (t, pos, n) not in mine + others]
+        Span = tuple[int, int, int]  # wholly this rank's, wholly others', cut by its shard
+        mine: list[Span] = []
+        others: list[Span] = []
+        self.cut: list[Span] = []
+        for span in spans:
+            _, pos, n = span
+            inside, outside = lo <= pos and pos + n <= hi, pos + n <= lo or pos >= hi
+            (mine if inside else others if outside else self.cut).append(span)
         self.lo, self.hi, self.params = lo, hi, params
         self.ins = (
             [staging[p : p + n].view(params[t].shape) for t, p, n in mine],

@@ -205,6 +205,27 @@ def shaped(param_buffers: ParamBuffers, views: Sequence[Any]) -> list[Any]:
     ]
 
 
+def _by_rule(
+    tx: Transformation,
+    inner: Any,
+    param_buffers: ParamBuffers,
+    params: list[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    key: Any,
+    master: Masters,
+    grads_shaped: bool,
+) -> Sequence[torch.Tensor | None]:
+    """Bucket ``key``'s pieces updated by the piece rule, on master views where the group has
+    them; returns ``grads`` with the bucket's made 1-D where they came shaped."""
+    lo, hi = param_buffers.piece_ranges[key]
+    if grads_shaped:
+        grads = [*grads[:lo], *flat_grads(grads[lo:hi]), *grads[hi:]]
+    master.views_for_update(params, (key,))
+    with in_scope(_narrowed(param_buffers.scope, lo, hi)):
+        _update(tx, inner, params, grads, lo, hi)
+    return grads
+
+
 def update_and_sync(
     tx: Transformation,
     inner: Any,
@@ -255,15 +276,10 @@ def update_and_sync(
         updates.begin(tx, inner)
     for key in param_buffers.keys:  # each bucket's pieces updated (where sliceable), then gathered
         if sliceable:
-            lo, hi = param_buffers.piece_ranges[key]
-            plain = updates is not None and master.dtype(key[0]) is None
-            ran = plain and updates.run(key, inner, params, grads, grad_shards, grads_shaped)  # type: ignore[union-attr]
-            if not ran:
-                if grads_shaped:
-                    grads = [*grads[:lo], *flat_grads(grads[lo:hi]), *grads[hi:]]
-                master.views_for_update(params, (key,))
-                with in_scope(_narrowed(param_buffers.scope, lo, hi)):
-                    _update(tx, inner, params, grads, lo, hi)
+            ran = master.dtype(key[0]) is None and updates is not None
+            ran = ran and updates.run(key, inner, params, grads, grad_shards, grads_shaped)  # type: ignore[union-attr]
+            if not ran:  # the piece rule, on 1-D gradients
+                grads = _by_rule(tx, inner, param_buffers, params, grads, key, master, grads_shaped)
         master.write_back(key)
         param_buffers.start_param_sync(key)
     if sliceable and updates is not None:
