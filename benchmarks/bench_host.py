@@ -4,7 +4,11 @@ One model of 131,072 float32 elements, cut two ways: 16 tensors of 8192 or 2048 
 bucket. Variants, each on its own copy of the parameters with the same gradients:
 
 - ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on the whole model (no communication).
-- ``shard_stage1``: ``shard(adamw(), plan, stage=1).step(params, None, state)``, ``.grad`` set.
+- ``shard_stage1``: ``shard(adamw(), plan, stage=1).step(params, None, state)``, ``.grad`` set
+  once and kept, as a loop that zeroes them in place keeps them (at W = 1 they are views of the
+  gradient shard from the first step on: [Note: gradients in the shard]).
+- ``shard_stage1_fresh``: the same, given new ``.grad`` tensors before every step (out of the
+  timer), as a loop that sets them to None gets from backward.
 - ``shard_stage2_hooks``: backward with ``register_grad_hooks`` on a tiny graph
   (``sum((p * w).sum())``, so the gradients are ``w``), then stage 2's ``step``.
 - ``backward_only``: the same backward on a copy without hooks; ``stage2_net`` is
@@ -48,6 +52,7 @@ NUMEL = 131_072
 VARIANTS = (
     "torch_fused",
     "shard_stage1",
+    "shard_stage1_fresh",
     "shard_stage2_hooks",
     "backward_only",
     "dropin_flat",
@@ -117,6 +122,20 @@ class Backward(Variant):
         self.after()
 
 
+class Fresh(Variant):
+    """New ``.grad`` tensors (copies of ``grads``) on ``prepare``, as backward makes them."""
+
+    def __init__(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], step: Callable[[], None]
+    ) -> None:
+        super().__init__(params, step)
+        self.grads = grads
+
+    def prepare(self) -> None:
+        for p, g in zip(self.params, self.grads):
+            p.grad = g.clone()
+
+
 def make_params(count: int, grads: list[torch.Tensor] | None, numel: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     size = numel // count
@@ -141,7 +160,7 @@ def build(name: str, count: int, world: int, grads: list[torch.Tensor], numel: i
         return Variant(params, opt.step)
     if name == "backward_only":
         return Backward(params, grads, lambda: None)
-    stage = 1 if name == "shard_stage1" else 2
+    stage = 1 if name.startswith("shard_stage1") else 2
     plan = plan_partition(params, world, bucket_numel=max(1 << 20, numel))  # one bucket
     tx = shard(adamw(lr=1e-3), plan, stage=stage)
     box = {"state": tx.init(params)}
@@ -149,6 +168,8 @@ def build(name: str, count: int, world: int, grads: list[torch.Tensor], numel: i
     def step() -> None:
         box["state"] = tx.step(params, None, box["state"])
 
+    if name == "shard_stage1_fresh":
+        return Fresh(params, grads, step)
     if stage == 1:
         return Variant(params, step)
     box["hooks"] = register_grad_hooks(params, box["state"])
@@ -257,7 +278,7 @@ def fmt_counts(per_rank: list[dict[str, int]], key: str) -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = ("W", "tensors", "variant", "median ms", "vs torch", "spread", "growth", "ops/step")
     header += ("py calls/step",)
-    widths = (2, 7, 18, 9, 8, 11, 6, 11, 13)
+    widths = (2, 7, 19, 9, 8, 11, 6, 11, 13)
     print("\n" + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
     for r in rows:
         cells = (

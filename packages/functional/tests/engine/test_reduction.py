@@ -78,3 +78,92 @@ def test_a_bucket_does_not_wait_for_a_frozen_tensor_and_the_rest_are_unstarted_a
     for key in [*ready, keys[1], keys[0]]:
         grads.start_reduce(key, local, accumulate=False)
     grads.finish_reduce()
+
+
+# -- [Note: gradients in the shard] ------------------------------------------------------------
+
+LOOPS = ("kept", "set_to_none", "micro_batches", "hooks_after", "explicit_after")
+
+
+def _is_view_of(grads: list, shard: torch.Tensor) -> list[bool]:
+    base = shard.untyped_storage().data_ptr()
+    return [g is not None and g.untyped_storage().data_ptr() == base for g in grads]
+
+
+def _train_both(loop: str, steps: int = 4):
+    """One W = 1 training loop through stage 1 and through torch's fused AdamW, with real
+    backward passes: per step (parameters and .grad bitwise alike, .grad views of the shard,
+    the step's operator names)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardopt.core import adamw
+    from shardopt.functional import register_grad_hooks, shard
+
+    class Names(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(16, generator=gen)) for _ in range(64)]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    sharded = shard(adamw(1e-2, weight_decay=0.1), plan_partition(params, 1), stage=1)
+    state = sharded.init(params)
+    rows = []
+    for step in range(steps):
+        if loop == "hooks_after" and step == 2:
+            register_grad_hooks(params, state)
+        xs = [torch.randn(16, generator=gen) for _ in range(2 if loop == "micro_batches" else 1)]
+        for ps in (ref, params):  # zero_grad, as torch.optim's does
+            for p in ps:
+                if loop == "set_to_none":
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            for x in xs:
+                torch.stack([(p * x * (i + 1)).sum() for i, p in enumerate(ps)]).sum().backward()
+        explicit = loop == "explicit_after" and step >= 2
+        grads = [p.grad * 2 for p in params] if explicit else None  # not .grad's values
+        if explicit:
+            for r in ref:
+                r.grad.mul_(2)
+        before = [p.grad.clone() for p in params]
+        opt.step()
+        with Names() as names:
+            state = sharded.step(params, grads, state)
+        alike = all(torch.equal(a, b) for a, b in zip(params, ref))
+        grads_alike = all(torch.equal(p.grad, b) for p, b in zip(params, before))
+        views = _is_view_of([p.grad for p in params], state.reducer.shards[0])
+        rows.append((alike and grads_alike, all(views), not any(views), names.names))
+    return rows
+
+
+@pytest.mark.world(1, backend="gloo", timeout=120)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_one_ranks_kept_gradients_become_views_of_the_shard_and_train_like_torch(world, loop):
+    """At W = 1, stage 1 makes ``.grad`` views of its gradient shard (DDP's
+    ``gradient_as_bucket_view``): a loop that keeps its gradients (zeroed in place, or summed
+    over micro-batches, with hooks registered later too) then packs nothing, a loop that sets
+    ``.grad`` to None has its gradients copied and no views made again, and gradients passed
+    explicitly leave ``.grad`` its own values. Every loop equals torch's fused AdamW to the bit,
+    parameters and ``.grad`` alike, after every step."""
+    rows = _train_both(loop)
+    assert all(row[0] for row in rows), loop
+    copies = ["aten._foreach_copy_.default" in row[3] for row in rows]
+    views = [row[1] for row in rows]
+    if loop in ("kept", "micro_batches", "hooks_after"):
+        assert views == [True] * 4
+        assert copies == [True, False, False, False]
+    elif loop == "set_to_none":
+        assert views == [True, False, False, False]  # made once, replaced, not made again
+        assert all(copies)
+        assert [row[2] for row in rows] == [False, True, True, True]  # none is a view
+    else:
+        assert views == [True, True, False, False]
+        assert copies == [True, False, True, True]
+        assert [row[2] for row in rows] == [False, False, True, True]

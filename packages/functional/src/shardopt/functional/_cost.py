@@ -8,7 +8,7 @@ import torch
 
 from shardopt.core import Plan
 from shardopt.functional.engine._collectives import Algorithm, bucket_calls
-from shardopt.functional.engine._reduction import replica_chunks
+from shardopt.functional.engine._reduction_strategy import replica_chunks
 from shardopt.functional.engine._staging import staging_numel
 
 __all__ = ["RankBytes", "Traffic", "shard_cost", "replica_traffic", "ring_bytes"]

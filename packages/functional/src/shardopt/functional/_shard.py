@@ -100,8 +100,10 @@ def shard(
     with :func:`register_grad_hooks`, then ``grads`` must be None), the rank updates its shard,
     and the shards are all-gathered bucket by bucket (see [Note: update and gather pipeline];
     with :func:`register_param_hooks` the gathers overlap the next forward). Stage 1 keeps the
-    full gradients (``zero_grad`` them, as for torch.optim); stage 2 frees them, in the hooks
-    as they are reduced or, without hooks, in ``step``: the same loop either way (see
+    full gradients (``zero_grad`` them, as for torch.optim; at W = 1 the ``.grad`` tensors
+    become views of the gradient shard with the same values, as DDP's
+    ``gradient_as_bucket_view``: [Note: gradients in the shard]); stage 2 frees them, in the
+    hooks as they are reduced or, without hooks, in ``step``: the same loop either way (see
     [Note: one loop contract]). With
     ``grads_averaged=True`` (stage 1 only) the gradients are taken as already averaged (DDP)
     and nothing is reduced (see [Note: stage 1 averages]).
@@ -388,7 +390,8 @@ def _reduced_grads(
     error = None
     if not hooked:
         full = _grads_of(params, grads)
-        error = check_grads(local_tensors(params), full, attributes=grads is None)
+        if grads is not None or reducer is None or not reducer.grads.are_views(full):
+            error = check_grads(local_tensors(params), full, attributes=grads is None)
         if error is not None:
             if not opts.needs_health:
                 raise ValueError(f"shard: expected {error}")
@@ -401,7 +404,11 @@ def _reduced_grads(
         # the gradients themselves ([Note: one rank's gradients]); whole pieces' gradients as
         # they are, unless the health check reads them
         return error, None, param_buffers.grad_views(full, shaped=not opts.needs_health)
+    if grads is not None and reducer.grads.pointed:  # [Note: gradients in the shard]
+        reducer.grads.unpoint(params)
     present = reducer.finish() if hooked else reducer.reduce(full)
+    if grads is None and not hooked and not reducer.free_grads and error is None:
+        reducer.grads.point(params)
     if reducer.free_grads and grads is None and error is None:  # see [Note: one loop contract]
         for p in params:
             p.grad = None

@@ -47,10 +47,10 @@ shards] in _reduction.py), the optimizer state and master weights by the sharded
   weights], [Note: master remainders]).
 
 The strategies, chosen once per sharded state: the parameter storage (views or staged), the
-gradient reduction (plain or on a wire: ``Reduction`` in _reduction.py), and each group's master
-weights (``Masters`` in _masters.py). Each bucket's update is prepared on its first step, over the
-bucket or over its pieces (``BucketUpdates`` in _bucket_update.py, [Note: prepared bucket
-updates]): a step then costs a few operators per bucket, whatever its tensors.
+gradient reduction (plain or on a wire: ``Reduction`` in _reduction_strategy.py), and each
+group's master weights (``Masters`` in _masters.py). Each bucket's update is prepared on its
+first step, over the bucket or over its pieces (``BucketUpdates`` in _bucket_update.py, [Note:
+prepared bucket updates]): a step then costs a few operators per bucket, whatever its tensors.
 
 The folders: ``engine/`` holds what moves and updates memory (parameter buffers, collectives,
 hooks, the update pipeline, the sharded state and its fields, the cross-rank checks, the local-SGD

@@ -1,7 +1,6 @@
 """The gradient side of the engine: this rank's gradient shards, the staging their buckets are
-packed in, the reduce-scatters that fill them, and each bucket's readiness (``GradShards``);
-the reduction strategy chosen once: sums in the staging's dtype, or a narrower wire with wider
-sums."""
+packed in, the reductions that fill them (the strategy: _reduction_strategy.py), and each bucket's
+readiness (``GradShards``)."""
 
 from __future__ import annotations
 
@@ -13,25 +12,17 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 import torch.distributed as dist
 
-from shardopt.core import Bucket
 from shardopt.functional.engine._buckets import BucketKey
-from shardopt.functional.engine._collectives import (
-    Algorithm,
-    Pending,
-    PendingQueue,
-    ProcessGroup,
-    all_gather_rows,
-    average_across,
-    reduce_scatter_bucket,
-    scratch_of,
-)
-from shardopt.functional.engine._failure import completed
+from shardopt.functional.engine._collectives import PendingQueue
+from shardopt.functional.engine._reduction_strategy import reduction_for
 from shardopt.functional.engine._staging import GradStaging
 
 if TYPE_CHECKING:
     from shardopt.functional.engine._param_buffers import ParamBuffers
 
-__all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replica_chunks"]
+__all__ = ["GradShards"]
+
+LocalGrads: TypeAlias = Mapping[int, "torch.Tensor | None"] | Sequence["torch.Tensor | None"]
 
 # [Note: gradient shards]
 # The gradient half of the engine, apart from the parameter half (``ParamBuffers``) and owned by
@@ -49,163 +40,8 @@ __all__ = ["GradShards", "PlainReduction", "Reduction", "WireReduction", "replic
 #   ``t``'s gradient makes ready to launch, in reverse bucket order, and the reducer launches
 #   them itself ([Note: overlap with backward] in _hooks.py).
 
-# [Note: wire dtype]
-# ``shard(..., comm_dtype=torch.bfloat16)`` puts gradients on the wire in bfloat16 but sums them
-# in float32 (in ``reduce_dtype`` where given; in the group's dtype where it is wider): a
-# reduce-scatter or all-reduce in bfloat16 rounds the partial sum at every hop of its ring (DDP's
-# ``bf16_compress_hook``, FSDP2's ``reduce_dtype=bfloat16``), so each element of the result
-# carries up to W - 1 roundings of growing partial sums. Here each local gradient is rounded once,
-# when it is packed into the (bfloat16) staging; one ``all_to_all_single`` sends block r of the
-# packed bucket to rank r (split sizes: the bucket's shards, so greedy buckets of unequal shards
-# go the same way), and each owner sums the W copies of its shard in float32, in rank order
-# (received into a scratch of W times the largest shard, beside the staging), divides by W and
-# stores the result in its gradient shard's dtype. The bytes on the wire are half of float32's;
-# the bytes per rank equal a reduce-scatter's ((W - 1) / W of the bucket).
-# On a hybrid mesh the replicas' step goes the same way: each replica's averaged shard part is
-# rounded once more into bfloat16 and split into R chunks (``replica_chunks``); one all-to-all
-# sends chunk j to replica j, which sums the R copies in float32 (rank order), and one
-# all-gather in the gradient shard's dtype (no rounding there for a float32 shard) gives every
-# replica the whole part. Two roundings per element in all, one per level of the mesh; per rank
-# (R - 1) / R of the part in bfloat16 plus (R - 1) / R in the shard's dtype, against
-# 2 (R - 1) / R in the shard's dtype for the all-reduce (0.75 of it for float32 shards).
-# Whatever ``algorithm`` says for parameters, these reductions use these calls; the cost model
-# prices them with the same rules (``reduce_scratch_numel``, ``bucket_calls`` with ``widened``,
-# ``replica_chunks``). The ParamBuffers picks its Reduction once, at construction (``WireReduction``
-# with a ``comm_dtype``, ``PlainReduction`` without).
-
-
-class PlainReduction:
-    """Sums in the staging's dtype by the calls ``algorithm`` says ([Note: collective
-    algorithms]); replicas by one all-reduce. Like every Reduction: ``bucket`` launches the
-    average of a bucket's packed ``staging`` into this rank's shard ``out`` (added, with
-    ``accumulate``), ``across`` then averages a replica's ``part`` over the replicas into
-    ``out``; ``g`` is the plan group."""
-
-    widened = False
-
-    def __init__(
-        self, group: ProcessGroup, replicate: ProcessGroup | None, algorithm: Algorithm
-    ) -> None:
-        self.group, self.replicate, self.algorithm = group, replicate, algorithm
-
-    def bucket(
-        self,
-        g: int,
-        staging: torch.Tensor,
-        bucket: Bucket,
-        out: torch.Tensor,
-        *,
-        accumulate: bool,
-        scratch: torch.Tensor | None,
-    ) -> Pending:
-        return reduce_scatter_bucket(
-            staging,
-            bucket,
-            out,
-            accumulate=accumulate,
-            group=self.group,
-            async_op=True,
-            algorithm=self.algorithm,
-            scratch=scratch,
-        )
-
-    def across(
-        self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
-    ) -> Pending:
-        return average_across(pending, part, out, accumulate=accumulate, group=self.replicate)
-
-
-class WireReduction:
-    """Gradients on the wire in the staging's dtype, summed in ``sums[g]`` ([Note: wire
-    dtype])."""
-
-    widened = True
-
-    def __init__(
-        self,
-        group: ProcessGroup,
-        replicate: ProcessGroup | None,
-        wire: torch.dtype,
-        sums: tuple[torch.dtype, ...],
-    ) -> None:
-        self.group, self.replicate, self.wire, self.sums = group, replicate, wire, sums
-
-    def bucket(
-        self,
-        g: int,
-        staging: torch.Tensor,
-        bucket: Bucket,
-        out: torch.Tensor,
-        *,
-        accumulate: bool,
-        scratch: torch.Tensor | None,
-    ) -> Pending:
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        n = bucket.shards[rank]
-        work: Any = None
-        if world > 1 and bucket.numel:
-            received = scratch_of(scratch, staging, world * n)
-            work = dist.all_to_all_single(
-                received, staging, [n] * world, list(bucket.shards), group=self.group, async_op=True
-            )
-        else:
-            lo = bucket.shard_start(rank) - bucket.start
-            received = staging[lo : lo + n]
-        total = self.sums[g]
-        return Pending(work, lambda: _store(received.view(world, n), total, out, accumulate))
-
-    def across(
-        self, g: int, pending: Pending, part: torch.Tensor, out: torch.Tensor, *, accumulate: bool
-    ) -> Pending:
-        def finish() -> None:
-            replicas = dist.get_world_size(self.replicate)
-            sizes = replica_chunks(part.numel(), replicas)
-            j = dist.get_rank(self.replicate)
-            received = part.new_empty(replicas * sizes[j], dtype=self.wire)
-            completed(
-                dist.all_to_all_single(
-                    received,
-                    part.to(self.wire),
-                    [sizes[j]] * replicas,
-                    sizes,
-                    group=self.replicate,
-                    async_op=True,
-                )
-            )
-            mine = out.new_zeros(sizes[0])  # every chunk padded to the first, the largest
-            _store(received.view(replicas, sizes[j]), self.sums[g], mine[: sizes[j]], False)
-            rows = all_gather_rows(mine, group=self.replicate)
-            whole = torch.cat([row[:n] for row, n in zip(rows, sizes)])
-            if accumulate:
-                out.add_(whole)
-            else:
-                out.copy_(whole)
-
-        return Pending([pending], finish)
-
-
-Reduction: TypeAlias = PlainReduction | WireReduction
-LocalGrads: TypeAlias = Mapping[int, "torch.Tensor | None"] | Sequence["torch.Tensor | None"]
-
-
-def _reduction_for(param_buffers: ParamBuffers) -> Reduction:
-    """The gradient reduction (chosen once): on a ``comm_dtype`` wire, summed in
-    ``reduce_dtype`` or the wider of float32 and each group's dtype; else plain."""
-    if param_buffers.comm_dtype is None:
-        return PlainReduction(param_buffers.group, param_buffers.replicate, param_buffers.algorithm)
-    dtypes = [getattr(torch, g.dtype) for g in param_buffers.plan.groups]
-    sums = tuple(
-        param_buffers.reduce_dtype or torch.promote_types(torch.float32, d) for d in dtypes
-    )
-    return WireReduction(
-        param_buffers.group, param_buffers.replicate, param_buffers.comm_dtype, sums
-    )
-
-
-_SHARD = ("gradient shard",)
-DIRECT_NUMEL = (
-    1 << 16
-)  # [Note: one rank's gradients]  # the tag of views of the gradient shards themselves
+_SHARD = ("gradient shard",)  # the tag of views of the gradient shards themselves
+DIRECT_NUMEL = 1 << 16  # [Note: one rank's gradients]
 
 # [Note: one rank's gradients]
 # In a world of one rank (and no replicas, no wire dtype) the average of the local gradients is
@@ -218,6 +54,21 @@ DIRECT_NUMEL = (
 # pieces. Accumulation (a second backward pass before the step, with hooks) still goes through
 # the staging, whose reduction adds.
 
+# [Note: gradients in the shard]
+# Stage 1 keeps the full gradients, and at W = 1 its gradient shard holds them all, laid out as
+# the bucket. So, as DDP's ``gradient_as_bucket_view`` does, ``step`` (reading ``.grad``, no
+# hooks) makes each ``.grad`` it packed a view of its place in the shard (``point``), with the
+# same values; a loop that keeps its gradients (``zero_grad(set_to_none=False)``, accumulation
+# over micro-batches) then has backward write them in place, and the next pack finds the
+# caller's gradients ARE its views and copies nothing (one identity test per tensor, at C
+# speed). A loop that sets ``.grad`` to None gets new tensors from backward: the pack copies them
+# as before, and since the views did not stay, they are not made again (``pointing`` stops).
+# Nothing in stage 1 writes to the shard but the pack (its clipping is out of place), so the
+# values seen through ``.grad`` are the caller's. Gradients passed to ``step`` explicitly would
+# be packed over the views: ``unpoint`` first gives each such ``.grad`` its own copy, and views
+# are not made again. Only where a shard's dtype is its parameters' (no ``reduce_dtype``) and
+# the parameters are plain tensors.
+
 
 class GradShards:
     """This rank's compact gradient shard of each group of ``param_buffers``, and the bucket
@@ -225,7 +76,7 @@ class GradShards:
 
     def __init__(self, param_buffers: ParamBuffers) -> None:
         self.param_buffers = param_buffers
-        self.reduction = _reduction_for(param_buffers)  # [Note: wire dtype]
+        self.reduction = reduction_for(param_buffers)  # [Note: wire dtype]
         self._shards: tuple[torch.Tensor, ...] = ()
         self._staging: GradStaging | None = None
         self._queue = PendingQueue()
@@ -234,6 +85,12 @@ class GradShards:
         # one rank, no replicas, gradients in the shards' dtype: [Note: one rank's gradients]
         self._alone: bool | None = None  # (known at first use: it needs the group)
         self._direct: bool | None = None
+        # [Note: gradients in the shard]: whether the last pack copied anything, whether
+        # ``.grad`` may be made views of the shard, and whether some are
+        self._copied = False
+        self.pointing = param_buffers.reduce_dtype is None and param_buffers.comm_dtype is None
+        self.pointed = False
+        self._pointed: list[torch.Tensor | None] = []  # each plan tensor's view, where made
         self.order = tuple(reversed(param_buffers.keys))  # the launch order: the last bucket first
         # each plan tensor's bucket, by its position in the launch order
         where = {key: i for i, key in enumerate(self.order)}
@@ -353,8 +210,11 @@ class GradShards:
             srcs = [g for g in srcs if g is not None]
         if zeros:
             torch._foreach_zero_(zeros)
+        if tag is _SHARD and all(map(operator.is_, srcs, dsts)):
+            return  # the caller's gradients are the views: [Note: gradients in the shard]
         if srcs:
             torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]  # any layout and dtype
+            self._copied = True
 
     def _staging_views(
         self, key: BucketKey, staging: torch.Tensor
@@ -366,6 +226,42 @@ class GradShards:
             for t, lo, n in self.param_buffers.packing[key]
         ]
         return dsts, [staging[lo:hi] for lo, hi in self.param_buffers.gaps[key]]
+
+    def point(self, params: Sequence[torch.Tensor]) -> None:
+        """After a step's pack of ``params``' ``.grad`` at W = 1: makes each ``.grad`` it copied a
+        view of the shard, the first time; stops if the last ones did not stay ([Note:
+        gradients in the shard])."""
+        copied, self._copied = self._copied, False
+        if not (copied and self.pointing and self.alone):
+            return
+        if self.pointed:  # views made last time were replaced: the loop sets .grad to None
+            self.pointing = self.pointed = False
+            return
+        buffers = self.param_buffers.buffers
+        if [s.dtype for s in self.shards] != [b.dtype for b in buffers]:
+            self.pointing = False
+            return
+        self._pointed = [None] * len(params)
+        for key, tensors in self.param_buffers.bucket_tensors.items():
+            for t, view in zip(tensors, self._views[(_SHARD, key)][0]):
+                p = params[t]
+                if p.grad is not None and type(p.grad) is torch.Tensor:
+                    p.grad = self._pointed[t] = view
+                    self.pointed = True
+
+    def are_views(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` are the views :meth:`point` made (None where it made none): then
+        they are valid gradients by construction, and the step need not check them."""
+        return self.pointed and all(map(operator.is_, grads, self._pointed))
+
+    def unpoint(self, params: Sequence[torch.Tensor]) -> None:
+        """Gives each ``.grad`` that is a view of the shard its own copy, for good ([Note:
+        gradients in the shard])."""
+        self.pointing = self.pointed = False
+        for p, view in zip(params, self._pointed):
+            if view is not None and p.grad is view:
+                p.grad = view.clone()
+        self._pointed = []
 
     @property
     def pending(self) -> bool:
@@ -403,25 +299,3 @@ class GradShards:
         where some tensors had no gradient); they count as launched from here."""
         start, self.next_position = self.next_position, len(self.order)
         return list(self.order[start:])
-
-
-def replica_chunks(numel: int, replicas: int) -> list[int]:
-    """How the replicas' step splits a shard part of ``numel`` elements: R nearly equal
-    chunks, the larger first ([Note: wire dtype])."""
-    base, extra = divmod(numel, replicas)
-    return [base + (1 if i < extra else 0) for i in range(replicas)]
-
-
-def _store(rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, accumulate: bool) -> None:
-    """The mean of ``rows`` (one per rank) summed in ``dtype`` in rank order, copied or added
-    into ``out``. (Row by row: ``rows.sum(0, dtype=...)`` was slower on the CPU; measured:
-    docs/performance.md.)"""
-    total = rows[0].to(dtype, copy=True)
-    for row in rows[1:]:
-        total.add_(row)
-    if rows.shape[0] > 1:
-        total.div_(rows.shape[0])
-    if accumulate:
-        out.add_(total)
-    else:
-        out.copy_(total)
