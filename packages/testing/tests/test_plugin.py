@@ -203,3 +203,52 @@ def test_misuse_is_reported_with_the_rule(
     result = pytester.runpytest(*IMPORTLIB)
     assert result.ret != 0
     result.stdout.fnmatch_lines([message])
+
+
+KILLS_THEN_PASSES = """
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.world(2, backend="gloo", timeout=30)
+def test_a_passes(world):
+    with open(f"pid{world.rank}", "w") as file:
+        file.write(str(os.getpid()))
+
+
+@pytest.mark.world(2, backend="gloo", timeout=30)
+def test_b_passes_on_the_same_ranks(world):
+    with open(f"pid{world.rank}") as file:
+        assert file.read() == str(os.getpid())
+
+
+@pytest.mark.world(2, backend="gloo", timeout=30)
+def test_c_kills_rank_one(world):
+    if world.rank == 1:
+        os._exit(9)
+    dist.barrier()
+
+
+@pytest.mark.world(2, backend="gloo", timeout=30)
+def test_d_passes_on_new_ranks(world):
+    with open(f"pid{world.rank}") as file:
+        assert file.read() != str(os.getpid())
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
+
+
+def test_a_test_that_kills_a_warm_rank_fails_alone_and_the_next_passes_on_a_fresh_pool(
+    pytester: pytest.Pytester,
+) -> None:
+    """Warm ranks ([Note: warm worlds]) serve the tests of a session in turn; a test that kills
+    one fails with a fresh world's error, and the next test passes on new ranks."""
+    pytester.makepyfile(test_kills=KILLS_THEN_PASSES)
+    result = pytester.runpytest_subprocess(*IMPORTLIB, "-p", "no:randomly")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["spawn: rank 1 of 2 exited with code 9 before returning*"])
+    result.stdout.fnmatch_lines(["FAILED test_kills.py::test_c_kills_rank_one*"])

@@ -227,7 +227,7 @@ TESTED = [  # (case, W, what the others' error must say besides the failing rank
 
 
 @pytest.mark.parametrize(("case", "n", "says"), TESTED, ids=[f"{c}-W{n}" for c, n, _ in TESTED])
-@pytest.mark.world("n", backend="gloo", timeout=60)
+@pytest.mark.world("n", backend="gloo", timeout=60, fresh=True)  # it destroys the group
 def test_when_one_rank_fails_every_other_rank_raises_rank_failed_error_naming_it(
     world: World, case: str, n: int, says: str
 ) -> None:

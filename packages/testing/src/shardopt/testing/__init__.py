@@ -27,6 +27,7 @@ from shardopt.testing._models import (
     build_mixed_dtype_mlp,
     build_mlp,
 )
+from shardopt.testing._pool import close_pools, reusing_worlds
 from shardopt.testing._problems import (
     PROBLEM_NAMES,
     Batch,
@@ -46,6 +47,8 @@ from shardopt.testing._world import Backend, World, cuda_device_count, current_w
 __all__ = [
     # worlds of processes
     "spawn",
+    "reusing_worlds",
+    "close_pools",
     "World",
     "Backend",
     "current_world",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardopt.testing._pool import reusing_worlds
 from shardopt.testing._spawn import spawn
 
 __all__ = ["LeakCheck", "descendants", "no_leaks", "open_fds", "started_worlds"]
@@ -104,5 +105,6 @@ def no_leaks(
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     check = LeakCheck(descendants(os.getpid()), open_fds(), tmp)
-    yield check
+    with reusing_worlds(False):  # fresh processes, which it counts ([Note: warm worlds])
+        yield check
     check.assert_clean()

@@ -13,11 +13,12 @@ from shardopt.testing._world import cuda_device_count
 __all__ = ["GPU_MARKER", "WORLD_MARKER", "WorldRequest", "skip_reason", "world_request"]
 
 WORLD_MARKER = (
-    "world(n, *, backend='auto', timeout=120.0, init_store='file'): run the test body on every "
-    "rank of an n-process world (shardopt.testing); n is an int or the name of a parameter"
+    "world(n, *, backend='auto', timeout=120.0, init_store='file', fresh=False): run the test "
+    "body on every rank of an n-process world (shardopt.testing); n is an int or the name of a "
+    "parameter; fresh=True: new processes, not warm ones"
 )
 GPU_MARKER = "gpu(n): needs at least n CUDA devices; skipped otherwise (shardopt.testing)"
-_WORLD_OPTIONS = ("backend", "timeout", "init_store")
+_WORLD_OPTIONS = ("backend", "timeout", "init_store", "fresh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class WorldRequest:
     backend: str = "auto"
     timeout: float = 120.0
     init_store: str = "file"
+    fresh: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
@@ -38,6 +40,8 @@ class WorldRequest:
             )
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
             raise ValueError(f"world marker: expected a timeout > 0 seconds, got {self.timeout!r}")
+        if not isinstance(self.fresh, bool):
+            raise ValueError(f"world marker: expected fresh a bool, got {self.fresh!r}")
         if self.init_store not in ("file", "tcp"):
             raise ValueError(
                 f"world marker: expected init_store in ('file', 'tcp'), got {self.init_store!r}"
@@ -58,7 +62,8 @@ def world_request(item: Any) -> WorldRequest | None:
     unknown = sorted(set(marker.kwargs) - set(_WORLD_OPTIONS))
     if len(marker.args) != 1 or unknown:
         raise ValueError(
-            "world marker: expected world(n, *, backend=..., timeout=..., init_store=...), got "
+            "world marker: expected world(n, *, backend=..., timeout=..., init_store=..., "
+            "fresh=...), got "
             f"args {marker.args!r} and kwargs {marker.kwargs!r} on {item.nodeid}"
         )
     size = marker.args[0]

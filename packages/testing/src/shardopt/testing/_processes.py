@@ -19,8 +19,18 @@ from typing import Any
 
 from shardopt.testing._errors import Outcome
 from shardopt.testing._rank import STACK_SIGNAL, RankReport, RankSpec, run_rank
+from shardopt.testing._warm_rank import serve_rank
 
-__all__ = ["Collected", "RankProcess", "collect", "read_text", "replay_output", "start", "stop"]
+__all__ = [
+    "Collected",
+    "RankProcess",
+    "collect",
+    "read_text",
+    "replay_output",
+    "start",
+    "start_serving",
+    "stop",
+]
 
 # [Note: forkserver]
 # Each rank is a fresh process: forking the caller is unsafe once torch has started threads
@@ -53,6 +63,7 @@ class RankProcess:
     alive: Connection  # held open while the rank may run (see [Note: orphaned ranks])
     pid: int | None = None
     exitcode: int | None = None  # set once the process is reaped
+    jobs: Connection | None = None  # a warm rank's jobs go here ([Note: warm worlds])
 
 
 @dataclass
@@ -91,24 +102,45 @@ def _stop_helpers() -> None:
 
 
 def start(spec: RankSpec) -> RankProcess:
+    """Starts a fresh rank that runs ``spec``'s function and exits."""
+    return _start(spec, serving=False)
+
+
+def start_serving(spec: RankSpec) -> RankProcess:
+    """Starts a warm rank: it runs the jobs (rank specs) sent on its ``jobs`` pipe until the
+    pipe closes ([Note: warm worlds] in _pool.py). ``spec`` names it; send it as a job too."""
+    return _start(spec, serving=True)
+
+
+def _start(spec: RankSpec, *, serving: bool) -> RankProcess:
     context = _context()
     conn, child_conn = context.Pipe(duplex=False)
     child_alive, alive = context.Pipe(duplex=False)
+    ends = [conn, child_conn, child_alive, alive]
+    jobs = None
+    if serving:
+        child_jobs, jobs = context.Pipe(duplex=False)
+        ends += [child_jobs, jobs]
+        target: Any = serve_rank
+        args: tuple[Any, ...] = (child_jobs, child_conn, child_alive)
+    else:
+        target, args = run_rank, (spec, child_conn, child_alive)
     process = context.Process(
-        target=run_rank,
-        args=(spec, child_conn, child_alive),
-        name=f"shardopt-rank-{spec.rank}",
-        daemon=True,
+        target=target, args=args, name=f"shardopt-rank-{spec.rank}", daemon=True
     )
     try:
         process.start()
     except BaseException:
-        for end in (conn, child_conn, child_alive, alive):
+        for end in ends:
             end.close()
         raise
     child_conn.close()  # the rank holds the only write end: end-of-file means it is gone
     child_alive.close()
-    return RankProcess(spec=spec, process=process, conn=conn, alive=alive, pid=process.pid)
+    if serving:
+        ends[4].close()
+    return RankProcess(
+        spec=spec, process=process, conn=conn, alive=alive, pid=process.pid, jobs=jobs
+    )
 
 
 def collect(ranks: list[RankProcess], deadline: float) -> Collected:
@@ -216,6 +248,8 @@ def stop(ranks: list[RankProcess], finished: set[int]) -> None:
         r.exitcode = r.process.exitcode
         r.conn.close()
         r.alive.close()
+        if r.jobs is not None:
+            r.jobs.close()
         r.process.close()
 
 

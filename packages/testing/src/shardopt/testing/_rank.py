@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import IO, Any
@@ -80,7 +81,7 @@ _STACK_FILE: IO[str] | None = None  # kept open for faulthandler for the process
 def run_rank(spec: RankSpec, result_conn: Connection, alive_conn: Connection) -> None:
     """Entry point of a rank's process (the target of its multiprocessing.Process)."""
     _prepare_process(spec, alive_conn)
-    report = _run(spec)
+    report = run_job(spec)
     # [Note: report before teardown] The report goes out before the group is destroyed: a
     # rank that raised must be heard before the "connection closed" errors its teardown causes
     # in its peers, so that the parent names the root cause (see [Note: root cause first]).
@@ -89,19 +90,27 @@ def run_rank(spec: RankSpec, result_conn: Connection, alive_conn: Connection) ->
     finally:
         result_conn.close()
     try:
-        _leave_group(together=report.ok)
+        leave_group(together=report.ok)
     except Exception:
         traceback.print_exc()  # into the rank's log; the result has already been sent
 
 
 def _prepare_process(spec: RankSpec, alive_conn: Connection) -> None:
+    redirect(spec)
+    watch_parent(alive_conn)
+
+
+def redirect(spec: RankSpec) -> None:
     # [Note: rank environment] The rank gets the parent's environment as of the spawn call
     # (a forkserver child would otherwise see the environment of the forkserver's start),
     # plus the caller's overrides, one intra-op thread unless asked otherwise, and its output
     # redirected to a log file the parent replays (pytest's capture then shows it per test).
+    # A warm rank does this for every job ([Note: warm worlds] in _pool.py).
     global _STACK_FILE
     os.environ.clear()
     os.environ.update(spec.environ)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -110,10 +119,15 @@ def _prepare_process(spec: RankSpec, alive_conn: Connection) -> None:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
-    _STACK_FILE = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the process
+    if _STACK_FILE is not None:
+        _STACK_FILE.close()
+    _STACK_FILE = open(spec.stack_path, "w")  # noqa: SIM115 - lives until the next job
     faulthandler.enable(file=_STACK_FILE, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=_STACK_FILE, all_threads=True)
     torch.set_num_threads(spec.num_threads)
+
+
+def watch_parent(alive_conn: Connection) -> None:
     watcher = threading.Thread(
         target=_exit_when_parent_dies, args=(alive_conn,), name="shardopt-parent-watch", daemon=True
     )
@@ -132,10 +146,10 @@ def _exit_when_parent_dies(alive_conn: Connection) -> None:
         os._exit(_ORPHANED_EXIT_CODE)
 
 
-def _run(spec: RankSpec) -> RankReport:
+def run_job(spec: RankSpec, join: Callable[[RankSpec], World] | None = None) -> RankReport:
     try:
         fn, args = loads_with_sources(spec.payload, spec.sources)
-        _join_group(spec)
+        (join or join_group)(spec)
         value = fn(spec.rank, spec.world_size, *args)
         return RankReport(ok=True, result=_dumps_result(value, spec.rank))
     except BaseException as exc:
@@ -152,7 +166,7 @@ def _dumps_result(value: Any, rank: int) -> bytes:
         ) from exc
 
 
-def _join_group(spec: RankSpec) -> World:
+def join_group(spec: RankSpec) -> World:
     timeout = datetime.timedelta(seconds=spec.timeout + _GROUP_TIMEOUT_MARGIN_S)
     store: dist.Store
     if spec.store_type is StoreType.FILE:
@@ -185,7 +199,7 @@ def _join_group(spec: RankSpec) -> World:
     return world
 
 
-def _leave_group(*, together: bool) -> None:
+def leave_group(*, together: bool) -> None:
     # [Note: leave together] torch 2.4's gloo can hang in a rank's group destructor when a peer
     # destroyed its own group first (seen in about half of 3-rank worlds). A rank that succeeded
     # waits in a barrier for its peers before it destroys the group; if a peer failed, the parent

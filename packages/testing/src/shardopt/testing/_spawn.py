@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardopt.testing._errors import RankFailure, format_world_error
 from shardopt.testing._modules import ModuleSource, dumps_with_sources
+from shardopt.testing._pool import pooling, run_pooled
 from shardopt.testing._processes import (
     Collected,
     RankProcess,
@@ -42,6 +43,7 @@ def spawn(
     init_store: str = "file",
     env: Mapping[str, str] | None = None,
     num_threads: int = 1,
+    fresh: bool = False,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on every rank of a new world; returns the results.
 
@@ -68,6 +70,10 @@ def spawn(
             127.0.0.1 at a port the system picks); both are safe side by side.
         env: environment overrides for the ranks (on top of this process's environment).
         num_threads: torch intra-op threads in each rank (``OMP_NUM_THREADS`` too).
+        fresh: new processes even where warm worlds are on (inside ``reusing_worlds()``, which
+            the pytest plugin turns on: see [Note: warm worlds]). Gloo worlds without ``env``
+            otherwise run on this process's warm ranks of their size: a fresh process group
+            each call, a failed call stops them.
 
     Returns:
         The return values of ``fn``, in rank order.
@@ -100,7 +106,10 @@ def spawn(
             rendezvous.spec(rank, world_size, chosen, num_threads, environ, payload, sources)
             for rank in range(world_size)
         ]
-        return _run_world(specs, timeout)
+        pooled = (  # [Note: warm worlds]
+            not fresh and pooling() and env is None and chosen is Backend.GLOO
+        ) and store_type is StoreType.FILE
+        return _run_world(specs, timeout, pooled)
 
 
 def _check_arguments(
@@ -186,17 +195,21 @@ class _Rendezvous:
         )
 
 
-def _run_world(specs: list[RankSpec], timeout: float) -> list[Any]:
+def _run_world(specs: list[RankSpec], timeout: float, pooled: bool) -> list[Any]:
     ranks: list[RankProcess] = []
     collected = Collected()
-    try:
-        for spec in specs:
-            ranks.append(start(spec))  # returns once the rank's process exists
-        # The clock starts with the ranks: a forkserver's first start (seconds, importing
-        # torch) does not eat into the time the ranks get.
-        collected = collect(ranks, time.monotonic() + timeout)
-    finally:
-        stop(ranks, finished=set(collected.results))
+    ran = run_pooled(specs, timeout) if pooled else None
+    if ran is not None:
+        ranks, collected = ran
+    else:
+        try:
+            for spec in specs:
+                ranks.append(start(spec))  # returns once the rank's process exists
+            # The clock starts with the ranks: a forkserver's first start (seconds, importing
+            # torch) does not eat into the time the ranks get.
+            collected = collect(ranks, time.monotonic() + timeout)
+        finally:
+            stop(ranks, finished=set(collected.results))
     replay_output(ranks)
     if collected.events:
         raise _world_error(ranks, collected, timeout)

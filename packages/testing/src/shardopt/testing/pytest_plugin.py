@@ -15,17 +15,22 @@ import pytest
 from shardopt.testing._errors import WorldError
 from shardopt.testing._leaks import no_leaks, started_worlds
 from shardopt.testing._markers import GPU_MARKER, WORLD_MARKER, skip_reason, world_request
+from shardopt.testing._pool import close_pools, reusing_worlds
 from shardopt.testing._spawn import spawn
 from shardopt.testing._world import World, current_world
 
 __all__ = [
     "no_leaks",
+    "pytest_addoption",
     "pytest_configure",
+    "pytest_unconfigure",
     "pytest_pyfunc_call",
     "pytest_runtest_setup",
     "started_worlds",
     "world",
 ]
+
+_WARM = pytest.StashKey[Any]()
 
 # [Note: world tests]
 # A test marked @pytest.mark.world(n) is run by spawn(): pytest sets the fixtures up in its own
@@ -38,9 +43,28 @@ __all__ = [
 # traceback; pytest.skip() in any rank skips the test.
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fresh-worlds",
+        action="store_true",
+        help="shardopt.testing: start every world's ranks afresh instead of reusing warm ones",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", WORLD_MARKER)
     config.addinivalue_line("markers", GPU_MARKER)
+    if not config.getoption("--fresh-worlds", default=False):  # [Note: warm worlds]
+        warm = reusing_worlds()
+        warm.__enter__()
+        config.stash[_WARM] = warm
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    warm = config.stash.get(_WARM, None)
+    if warm is not None:
+        warm.__exit__(None, None, None)
+        close_pools()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -90,6 +114,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             backend=request.backend,
             timeout=request.timeout,
             init_store=request.init_store,
+            fresh=request.fresh,
         )
     except WorldError as exc:
         failure = str(exc)
