@@ -295,6 +295,7 @@ def bench(session: nox.Session) -> None:
         "bench_fail_fast.py",
         "bench_host.py",
         "bench_host_large.py",
+        "bench_worlds.py",
     ):
         session.run(python, f"benchmarks/{script}", env=env, external=True)
     shardopt = os.path.join(bin_dir, "shardopt")

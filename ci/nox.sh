@@ -1,5 +1,5 @@
 #!/usr/bin/env sh
-# Bootstraps a pinned nox into .nox/_bootstrap (needs only python3) and runs it with the given arguments.
+# Bootstraps a pinned nox and uv into .nox/_bootstrap (needs only python3) and runs nox with the given arguments.
 # Usage: ci/nox.sh -s tests | ci/nox.sh -s demo | ci/nox.sh -s bench
 # ci/nox.sh -s gpu [-- ARGS] needs neither nox nor the network: it runs ci/gpu.sh ARGS.
 set -eu

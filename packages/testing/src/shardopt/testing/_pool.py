@@ -52,10 +52,13 @@ class _Pool:
     directory: str  # the pool group's FileStore
     jobs: int = 0
     busy: bool = False  # running a job (another thread's call then gets fresh ranks)
+    unchecked: str = ""  # the last job, whose after-job reports are not read yet
+
+    leaked: bool = False
 
     @property
     def alive(self) -> bool:
-        return all(r.process.exitcode is None for r in self.ranks)
+        return not self.leaked and all(r.process.exitcode is None for r in self.ranks)
 
 
 _POOLS: dict[tuple[int, int], _Pool] = {}  # by (world size, threads)
@@ -120,6 +123,9 @@ def _idle_pool(specs: list[RankSpec]) -> _Pool | None:
     pool = _POOLS.get(key)
     if pool is not None and pool.busy:
         return None
+    if pool is not None and pool.unchecked:  # the last job's after-job checks
+        job, pool.unchecked = pool.unchecked, ""
+        pool.leaked = not _all_clean(pool.ranks, job)
     if pool is not None and not pool.alive:
         del _POOLS[key]
         _retire(pool, pool.ranks, finished=set())
@@ -148,9 +154,11 @@ def run_pooled(specs: list[RankSpec], timeout: float) -> tuple[list[RankProcess]
         for r, job in zip(ranks, jobs):
             r.jobs.send_bytes(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))  # type: ignore[union-attr]
         collected = collect(ranks, time.monotonic() + timeout)
-        clean = not collected.events and _all_clean(ranks)
-        if not clean and os.environ.get("SHARDOPT_POOL_LOG"):
+        clean = not collected.events
+        if not clean:
             _log_retirement(specs, collected)
+        else:  # read the ranks' after-job checks at the next call: they run meanwhile
+            pool.unchecked = os.environ.get("PYTEST_CURRENT_TEST", "a job")
     finally:
         pool.jobs += 1
         if not clean:
@@ -165,8 +173,8 @@ def run_pooled(specs: list[RankSpec], timeout: float) -> tuple[list[RankProcess]
 _LEAKS: list[str] = []  # the last job's after-job reports that were not clean
 
 
-def _all_clean(ranks: list[RankProcess]) -> bool:
-    """Reads each rank's after-job check: False if one leaked, ended, or is late."""
+def _all_clean(ranks: list[RankProcess], job: str) -> bool:
+    """Reads each rank's after-job check of ``job``: False if one leaked, ended, or is late."""
     deadline = time.monotonic() + 30.0
     _LEAKS.clear()
     for r in ranks:
@@ -179,11 +187,18 @@ def _all_clean(ranks: list[RankProcess]) -> bool:
             leak = "ended"
         if leak:
             _LEAKS.append(f"rank {r.spec.rank}: {leak}")
+    if _LEAKS:
+        _log(len(ranks), job, "; ".join(_LEAKS))
     return not _LEAKS
 
 
 def _log_retirement(specs: list[RankSpec], collected: Collected) -> None:
-    """Appends why a pool was retired to the file SHARDOPT_POOL_LOG names (a debugging aid)."""
-    why = "; ".join(_LEAKS) or f"failed: {[(e[0], e[1].value) for e in collected.events]}"
-    with open(os.environ["SHARDOPT_POOL_LOG"], "a") as file:
-        file.write(f"W={specs[0].world_size} {os.environ.get('PYTEST_CURRENT_TEST', '')}: {why}\n")
+    why = f"failed: {[(e[0], e[1].value) for e in collected.events]}"
+    _log(specs[0].world_size, os.environ.get("PYTEST_CURRENT_TEST", "a job"), why)
+
+
+def _log(world_size: int, job: str, why: str) -> None:
+    """Appends why a pool was replaced to the file SHARDOPT_POOL_LOG names (a debugging aid)."""
+    if os.environ.get("SHARDOPT_POOL_LOG"):
+        with open(os.environ["SHARDOPT_POOL_LOG"], "a") as file:
+            file.write(f"W={world_size} {job}: {why}\n")
