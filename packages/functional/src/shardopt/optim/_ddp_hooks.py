@@ -14,6 +14,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
+# [Note: ending a doctest's group]
+# The examples below run DDP in the calling process and end by destroying its group. A comm
+# hook's future runs its callbacks on gloo's worker thread; were the last reference to the group
+# dropped there (by DDP's reducer, freed after destroy_process_group), the group's destructor
+# would join that very thread, and the process would abort ("Resource deadlock avoided", seen
+# once in a CI run of the doctest). So the examples wait for the worker (a barrier) and free DDP
+# and the optimizer on the calling thread before they destroy the group.
+
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 # [Note: overlap from the first iteration]
@@ -106,6 +114,8 @@ def hook_with_zero_step(
         >>> ddp(torch.ones(2, 3)).sum().backward()  # reduces, then steps: no zero.step()
         >>> bool((ddp.module.weight != before).all())  # updated from the first iteration
         True
+        >>> dist.barrier()  # see [Note: ending a doctest's group]
+        >>> del ddp, zero
         >>> dist.destroy_process_group()
     """
     _check_arguments("hook_with_zero_step", hook, ddp, zero, shard_buckets)
@@ -159,6 +169,8 @@ def hook_with_zero_step_interleaved(
         >>> ddp(torch.ones(2, 3)).sum().backward()
         >>> round(linear.bias.item(), 4)  # 1 - lr 0.1 * gradient 2, in the first iteration
         0.8
+        >>> dist.barrier()  # see [Note: ending a doctest's group]
+        >>> del ddp, zero
         >>> dist.destroy_process_group()
     """
     api = "hook_with_zero_step_interleaved"

@@ -60,6 +60,7 @@ class RankSpec:
     sources: tuple[ModuleSource, ...]
     log_path: str  # the rank's stdout and stderr
     stack_path: str  # faulthandler's stack dumps
+    devices: tuple[int, ...] = ()  # NCCL: each rank's leased CUDA device ([Note: device leases])
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +177,7 @@ def join_group(spec: RankSpec) -> World:
     device = torch.device("cpu")
     extra: dict[str, Any] = {}
     if spec.backend is Backend.NCCL:
-        device = torch.device("cuda", spec.rank)
+        device = torch.device("cuda", spec.devices[spec.rank] if spec.devices else spec.rank)
         torch.cuda.set_device(device)
         extra["device_id"] = device
     dist.init_process_group(

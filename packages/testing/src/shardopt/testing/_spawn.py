@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -9,12 +10,14 @@ import pickle
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 
 from shardopt.testing._errors import RankFailure, format_world_error
+from shardopt.testing._leases import lease_devices
 from shardopt.testing._modules import ModuleSource, dumps_with_sources
 from shardopt.testing._pool import pooling, run_pooled
 from shardopt.testing._processes import (
@@ -27,11 +30,12 @@ from shardopt.testing._processes import (
     stop,
 )
 from shardopt.testing._rank import RankSpec, StoreType
-from shardopt.testing._world import Backend, resolve_backend
+from shardopt.testing._world import Backend, cuda_device_count, resolve_backend
 
 __all__ = ["spawn"]
 
 _RANK_MODULE = os.path.join("shardopt", "testing", "_rank.py")
+_LEASE_WAIT_S = 600.0  # how long an NCCL world waits for free devices ([Note: device leases])
 
 
 def spawn(
@@ -101,15 +105,26 @@ def spawn(
             f"functools.partial of one, and picklable arguments); pickling {fn!r} failed: {exc}"
         ) from exc
     environ = {**os.environ, "OMP_NUM_THREADS": str(num_threads), **(env or {})}
-    with _Rendezvous(store_type, timeout) as rendezvous:
+    with _Rendezvous(store_type, timeout) as rendezvous, _leases(chosen, world_size) as devices:
         specs = [
             rendezvous.spec(rank, world_size, chosen, num_threads, environ, payload, sources)
             for rank in range(world_size)
         ]
+        specs = [replace(spec, devices=devices) for spec in specs]
         pooled = (  # [Note: warm worlds]
             not fresh and pooling() and env is None and chosen is Backend.GLOO
         ) and store_type is StoreType.FILE
         return _run_world(specs, timeout, pooled)
+
+
+@contextlib.contextmanager
+def _leases(backend: Backend, world_size: int) -> Iterator[tuple[int, ...]]:
+    """An NCCL world's devices, leased for its lifetime ([Note: device leases]); () for gloo."""
+    if backend is not Backend.NCCL:
+        yield ()
+        return
+    with lease_devices(world_size, devices=cuda_device_count(), timeout=_LEASE_WAIT_S) as held:
+        yield tuple(held)
 
 
 def _check_arguments(

@@ -27,7 +27,8 @@ class World:
         rank: this process's rank, ``0 <= rank < world_size``.
         world_size: number of ranks.
         backend: the process group's backend.
-        device: where this rank's tensors live: ``cpu`` for gloo, ``cuda:<rank>`` for NCCL.
+        device: where this rank's tensors live: ``cpu`` for gloo; for NCCL, the CUDA device
+            the world leased for this rank (see [Note: device leases]).
         process_group: the default (world) process group (``group`` before issue 39: still
             read, with a FutureWarning).
     """
