@@ -91,8 +91,8 @@ def _try_all(where: str, count: int, devices: int) -> dict[int, IO[str]] | None:
         held[index] = file
         if len(held) == count:
             return held
-    for file in held.values():
-        file.close()
+    for kept in held.values():
+        kept.close()
     return None
 
 
