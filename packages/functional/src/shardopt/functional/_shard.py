@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -12,11 +12,15 @@ import torch.distributed as dist
 from shardopt.core import Plan, Transformation
 from shardopt.core.blocks import PyTree, in_scope, needs_whole_tensors, tree_leaves
 from shardopt.functional._options import ShardOptions, Stage
+from shardopt.functional._step_grads import (
+    checked_health,
+    present_views,
+    reduced_grads,
+    to_update_dtype,
+)
 from shardopt.functional.engine._bucket_update import BucketUpdates
 from shardopt.functional.engine._clip import (
-    Health,
     clip_coefficient,
-    global_health,
     scale_grads,
 )
 from shardopt.functional.engine._collectives import ProcessGroup
@@ -51,7 +55,6 @@ from shardopt.functional.engine._update import (
 )
 from shardopt.functional.engine._validate import (
     agree_across_ranks,
-    check_grads,
     check_params,
     fingerprint,
     plan_fields,
@@ -305,10 +308,6 @@ def _init(
 # refused on every rank, since a part would be updated as if it were the tensor, without an error.
 
 
-def _grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:
-    return local_tensors([p.grad for p in params] if grads is None else grads)
-
-
 def _step(
     tx: Transformation,
     opts: ShardOptions,
@@ -322,7 +321,7 @@ def _step(
     if problem is not None:
         raise ValueError(f"shard: expected {problem}")
     param_buffers.wait_params()  # the update writes the shards the last gathers send
-    error, present, piece_grads = _reduced_grads(opts, params, grads, state)
+    error, present, piece_grads = reduced_grads(opts, params, grads, state)
     # the compact gradient shards that piece_grads view, where they do (else they are the
     # caller's, whole pieces' in their shapes but for the health check) ([Note: prepared
     # bucket updates])
@@ -330,9 +329,9 @@ def _step(
     shaped = present is None and not opts.needs_health
     stats = None
     if opts.needs_health:
-        health = _checked_health(error, present, piece_grads, state, group)
+        health = checked_health(error, present, piece_grads, state, group)
         if health.present is not None:
-            piece_grads = _present_views(state, health.present)
+            piece_grads = present_views(state, health.present)
         if opts.skip_nonfinite and not health.finite:
             return state._replace(stats=StepStats(health.norm, True))
         stats = StepStats(health.norm, False)
@@ -341,93 +340,9 @@ def _step(
             in_place = opts.stage is Stage.GRADIENTS
             piece_grads = scale_grads(piece_grads, coef, in_place=in_place)
             shards = shards if in_place else None
-    update_grads = _to_update_dtype(piece_grads, state, present is not None)
+    update_grads = to_update_dtype(piece_grads, state, present is not None)
     shards = shards if update_grads is piece_grads else None
     update_and_sync(
         tx, state.inner, param_buffers, update_grads, state.master, state.updates, shards, shaped
     )
     return state._replace(stats=stats)
-
-
-def _checked_health(
-    error: str | None,
-    present: list[bool] | None,
-    grads: list[torch.Tensor | None],
-    state: ShardedState,
-    group: ProcessGroup,
-) -> Health:
-    """The step's small all-reduce; raises on every rank if any rank had a bad gradient."""
-    if present is not None:  # stage 2: the shards hold zeros where no rank had a gradient
-        grads = list(state.param_buffers.piece_views(state.reducer.shards))
-    split = state.param_buffers.tensor_parallel
-    health = global_health(grads, error is not None, present, group=group, split=split)
-    if error is not None:
-        raise ValueError(f"shard: expected {error}")
-    if health.errors:
-        raise ValueError(
-            f"shard: expected valid gradients on every rank, got errors on {health.errors} "
-            "rank(s) (see their messages)"
-        )
-    return health
-
-
-def _present_views(state: ShardedState, present: Sequence[bool]) -> list[torch.Tensor | None]:
-    """This rank's gradient shard of each of its pieces, None where ``present`` says none."""
-    views = state.param_buffers.piece_views(state.reducer.shards)
-    if all(present):  # the usual case, at C speed
-        return views  # type: ignore[return-value]
-    return [v if present[p.tensor] else None for v, p in zip(views, state.param_buffers.pieces)]
-
-
-def _reduced_grads(
-    opts: ShardOptions, params: list[torch.Tensor], grads: PyTree | None, state: ShardedState
-) -> tuple[str | None, list[bool] | None, list[torch.Tensor | None]]:
-    """(the local gradient error or None, in stage 2 which tensors had a gradient here, this
-    rank's gradient of each of its pieces)."""
-    param_buffers: ParamBuffers = state.param_buffers
-    reducer: GradReducer | None = state.reducer
-    hooked = reducer is not None and reducer.hooked
-    error = None
-    if not hooked:
-        full = _grads_of(params, grads)
-        if grads is not None or reducer is None or not reducer.grads.are_views(full):
-            error = check_grads(local_tensors(params), full, attributes=grads is None)
-        if error is not None:
-            if not opts.needs_health:
-                raise ValueError(f"shard: expected {error}")
-            full = [None] * len(params)  # take part in the collectives, raise after the check
-    elif grads is not None:
-        raise ValueError(
-            "shard: expected grads=None in step when gradient hooks are registered, got grads"
-        )
-    if reducer is None or (reducer.direct and not hooked and not opts.needs_health):
-        # the gradients themselves ([Note: one rank's gradients]); whole pieces' gradients as
-        # they are, unless the health check reads them
-        return error, None, param_buffers.grad_views(full, shaped=not opts.needs_health)
-    if grads is not None and reducer.grads.pointed:  # [Note: gradients in the shard]
-        reducer.grads.unpoint(params)
-    present = reducer.finish() if hooked else reducer.reduce(full)
-    if grads is None and not hooked and not reducer.free_grads and error is None:
-        reducer.grads.point(params)
-    if reducer.free_grads and grads is None and error is None:  # see [Note: one loop contract]
-        for p in params:
-            p.grad = None
-    return error, present, _present_views(state, present)
-
-
-def _to_update_dtype(
-    grads: list[torch.Tensor | None], state: ShardedState, reduced: bool
-) -> list[torch.Tensor | None]:
-    """The gradients in the dtype of what they update: master weights, else the parameters."""
-    param_buffers, master = state.param_buffers, state.master
-    dtypes = [master.dtype(g) or buf.dtype for g, buf in enumerate(param_buffers.buffers)]
-    # each group's gradients come in one dtype: its shards' (reduced) or its parameters'
-    # (checked against them): the usual case converts nothing and looks at no gradient
-    held = state.reducer.shards if reduced else param_buffers.buffers
-    if [t.dtype for t in held] == dtypes:
-        return grads
-    out = []
-    for g, piece in zip(grads, param_buffers.pieces):
-        dtype = dtypes[piece.group]
-        out.append(g if g is None or g.dtype == dtype else g.to(dtype))
-    return out

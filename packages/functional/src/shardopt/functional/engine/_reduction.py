@@ -85,11 +85,10 @@ class GradShards:
         # one rank, no replicas, gradients in the shards' dtype: [Note: one rank's gradients]
         self._alone: bool | None = None  # (known at first use: it needs the group)
         self._direct: bool | None = None
-        # [Note: gradients in the shard]: whether the last pack copied anything, whether
-        # ``.grad`` may be made views of the shard, and whether some are
+        # [Note: gradients in the shard]: whether the last pack copied anything, and whether
+        # ``.grad`` may be made views of the shard
         self._copied = False
         self.pointing = param_buffers.reduce_dtype is None and param_buffers.comm_dtype is None
-        self.pointed = False
         self._pointed: list[torch.Tensor | None] = []  # each plan tensor's view, where made
         self.order = tuple(reversed(param_buffers.keys))  # the launch order: the last bucket first
         # each plan tensor's bucket, by its position in the launch order
@@ -234,8 +233,8 @@ class GradShards:
         copied, self._copied = self._copied, False
         if not (copied and self.pointing and self.alone):
             return
-        if self.pointed:  # views made last time were replaced: the loop sets .grad to None
-            self.pointing = self.pointed = False
+        if self._pointed:  # views made last time were replaced: the loop sets .grad to None
+            self.pointing = False  # (those left stay views: ``unpoint`` still finds them)
             return
         buffers = self.param_buffers.buffers
         if [s.dtype for s in self.shards] != [b.dtype for b in buffers]:
@@ -247,17 +246,21 @@ class GradShards:
                 p = params[t]
                 if p.grad is not None and type(p.grad) is torch.Tensor:
                     p.grad = self._pointed[t] = view
-                    self.pointed = True
 
     def are_views(self, grads: Sequence[torch.Tensor | None]) -> bool:
         """Whether ``grads`` are the views :meth:`point` made (None where it made none): then
         they are valid gradients by construction, and the step need not check them."""
-        return self.pointed and all(map(operator.is_, grads, self._pointed))
+        return bool(self._pointed) and all(map(operator.is_, grads, self._pointed))
+
+    @property
+    def has_views(self) -> bool:
+        """Whether some ``.grad`` may be a view of the shard (made by :meth:`point`)."""
+        return bool(self._pointed)
 
     def unpoint(self, params: Sequence[torch.Tensor]) -> None:
         """Gives each ``.grad`` that is a view of the shard its own copy, for good ([Note:
         gradients in the shard])."""
-        self.pointing = self.pointed = False
+        self.pointing = False
         for p, view in zip(params, self._pointed):
             if view is not None and p.grad is view:
                 p.grad = view.clone()
