@@ -50,6 +50,19 @@ def test_a_param_moved_out_of_its_buffer_is_reported():
     )
 
 
+@pytest.mark.parametrize(("strategy", "reported"), [("greedy", True), ("flat", False)])
+def test_a_param_reshaped_at_its_place_is_reported_only_where_the_plan_owns_it_whole(
+    strategy, reported
+):
+    """[Note: views still in place]: a greedy plan's updates may read a tensor in its shape, a
+    flat plan's are elementwise over the buffer, where the address is all that matters."""
+    params = mixed()
+    param_buffers = build_param_buffers(plan_partition(params, 2, strategy=strategy), params, 0)
+    params[0].data = params[0].data.view(4, 3)  # the same elements, at the same place
+    expected = "the parameters given to init (views of the flat buffers), got params[0] elsewhere"
+    assert param_buffers.check_views(params) == (expected if reported else None)
+
+
 @pytest.mark.parametrize("bucket_numel", [None, 6])
 @pytest.mark.parametrize("strategy", ["flat", "greedy"])
 def test_gradient_and_piece_views_alias_the_right_elements(strategy, bucket_numel):

@@ -287,8 +287,9 @@ def _init(
         inner, fields, _ = flatten_state(tx.init(presented), param_buffers, probed)
     planned_update(tx, param_buffers, opts.compile, whole)  # [Note: compiled updates]
     reducer = None
-    if opts.reduces:
-        reducer = GradReducer(param_buffers, free_grads=opts.stage is Stage.GRADIENTS)
+    if opts.reduces or dist.get_world_size(group) == 1:  # [Note: one rank's gradients]
+        stage2 = opts.stage is Stage.GRADIENTS
+        reducer = GradReducer(param_buffers, free_grads=stage2, averaged=opts.grads_averaged)
     updates = BucketUpdates(tx, param_buffers, fields)  # [Note: prepared bucket updates]
     return ShardedState(inner, fields, param_buffers, master, reducer, None, labels, updates)
 

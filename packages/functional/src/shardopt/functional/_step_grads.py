@@ -4,6 +4,7 @@ for health across ranks, and put in the update's dtype. ``step`` in _shard.py dr
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,8 +23,21 @@ from shardopt.functional.engine._validate import check_grads
 __all__ = ["checked_health", "present_views", "reduced_grads", "to_update_dtype"]
 
 
-def grads_of(params: list[torch.Tensor], grads: PyTree | None) -> list[Any]:
-    return local_tensors([p.grad for p in params] if grads is None else grads)
+_GRAD = operator.attrgetter("grad")
+
+
+def grads_of(
+    params: list[torch.Tensor], grads: PyTree | None, reducer: GradReducer | None
+) -> tuple[list[Any], bool]:
+    """(the local gradients: ``.grad`` where ``grads`` is None, whether they are the views of the
+    gradient shard made at the last step: [Note: gradients in the shard]); one read of each
+    ``.grad`` at C speed, and nothing else per tensor where they are the views."""
+    if grads is None:
+        read = list(map(_GRAD, params))
+        if reducer is not None and reducer.grads.are_views(read):
+            return read, True
+        return local_tensors(read), False
+    return local_tensors(grads), False
 
 
 def checked_health(
@@ -64,10 +78,10 @@ def reduced_grads(
     param_buffers: ParamBuffers = state.param_buffers
     reducer: GradReducer | None = state.reducer
     hooked = reducer is not None and reducer.hooked
-    error = None
+    error, views = None, False
     if not hooked:
-        full = grads_of(params, grads)
-        if grads is not None or reducer is None or not reducer.grads.are_views(full):
+        full, views = grads_of(params, grads, reducer)
+        if not views:
             error = check_grads(local_tensors(params), full, attributes=grads is None)
         if error is not None:
             if not opts.needs_health:
@@ -83,7 +97,7 @@ def reduced_grads(
         return error, None, param_buffers.grad_views(full, shaped=not opts.needs_health)
     if grads is not None and reducer.grads.has_views:  # [Note: gradients in the shard]
         reducer.grads.unpoint(params)
-    present = reducer.finish() if hooked else reducer.reduce(full)
+    present = reducer.finish() if hooked else reducer.reduce(full, views=views)
     if grads is None and not hooked and not reducer.free_grads and error is None:
         reducer.grads.point(params)
     if reducer.free_grads and grads is None and error is None:  # see [Note: one loop contract]

@@ -373,3 +373,53 @@ def test_muon_and_adafactor_match_torch_optim_with_torchs_state_dict(world: Worl
 def test_muon_refuses_a_vector_on_every_rank_before_sharding(world: World) -> None:
     with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: muon: expected 2-D param"):
         ZeroRedundancyOptimizer(build_model().parameters(), torch.optim.Muon, partition="flat")
+
+
+@pytest.mark.world(1, backend="gloo", timeout=120)
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_one_rank_steps_each_bucket_as_one_tensor_and_keeps_kept_gradients_in_place(
+    world: World, set_to_none: bool
+) -> None:
+    """At W = 1 the flat drop-in takes its gradients into one gradient shard, as ``shard``'s
+    stage 1 does ([Note: one rank's gradients]): each step is one update kernel; a loop that
+    zeroes ``.grad`` in place has them in the shard from the first step on (nothing copied),
+    one that sets them to None has them copied. Both train as torch's fused AdamW, bitwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+            self.updated: list[int] = []  # tensors per update kernel call
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func))
+            if func is torch.ops.aten._fused_adamw_.default:
+                self.updated.append(len(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    def build() -> torch.nn.Module:  # every tensor whole cache lines: a bucket can be one tensor
+        torch.manual_seed(0)  # ([Note: prepared bucket updates]); every tensor with a gradient
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)
+        )
+
+    model, ref_model = build(), build()
+    ours = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, partition="flat")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    copied, kernels = [], []
+    for step in range(4):
+        for m, o in ((ref_model, ref), (model, ours)):
+            o.zero_grad(set_to_none=set_to_none)
+            m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).pow(
+                2
+            ).mean().backward()
+        ref.step()
+        with Names() as names:
+            ours.step()
+        copied.append("aten._foreach_copy_.default" in names.names)
+        kernels.append(names.updated)
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b), step
+    assert kernels == [[1]] * 4  # one kernel over one tensor (the bucket), not 4 pieces
+    assert copied == ([True] * 4 if set_to_none else [True, False, False, False])

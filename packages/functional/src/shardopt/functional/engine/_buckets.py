@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ class BucketMap:
         self._param_views: list[torch.Tensor] | None = None
         # step() asks for the same views every step: kept with the tensors they view
         self._shard_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._view_places: tuple[list[int], list[int], list[Any]] | None = None
+        # called with the parameters when some are out of place, before they are reported
+        self.rebind: Callable[[Sequence[torch.Tensor]], None] | None = None
+        self._view_places: tuple[list[int], list[int], list[Any] | None] | None = None
         self._piece_places: list[tuple[int, int, int, bool]] | None = None
         self._compact: dict[BucketKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self._map_buckets()
@@ -43,6 +46,7 @@ class BucketMap:
         for t in range(len(plan.tensors)):
             g, b, _ = plan.locate(t)
             self.bucket_tensors[(g, b)] += (t,)
+        self._pickers = {key: _picker(tensors) for key, tensors in self.bucket_tensors.items()}
         self.piece_ranges = self._piece_ranges()
         # (tensor, its first element in the bucket, numel) of each bucket's tensors: the packing
         self.packing = {
@@ -156,26 +160,32 @@ class BucketMap:
             self._param_views = out
         return list(self._param_views)
 
+    def bucket_grads(self, key: BucketKey, grads: Sequence[Any]) -> list[Any]:
+        """``grads[t]`` for each tensor ``t`` of bucket ``key`` (a slice where they are
+        consecutive, as in one dtype's plan; no Python per tensor either way)."""
+        return self._pickers[key](grads)
+
     def address_of(self, t: int) -> int:
         """Where plan tensor ``t``'s elements start in its group's buffer (a memory address)."""
         g, _, offset = self.plan.locate(t)
         return self.buffers[g].data_ptr() + offset * self.buffers[g].element_size()
 
     def _still_views(self, params: Sequence[torch.Tensor]) -> bool:
-        """The fast path of check_views: every local tensor where and as it was (the addresses
-        and shapes are computed once per set of buffers, and compared at C speed: the
-        comprehensions call no Python per tensor)."""
+        """The fast path of check_views: every local tensor where it was, and as it was where
+        its shape matters (see [Note: views still in place]); compared at C speed, no Python
+        per tensor."""
         bases = [b.data_ptr() for b in self.buffers]
         if self._view_places is None or self._view_places[0] != bases:
             addresses = [self.address_of(t) for t in range(len(self.plan.tensors))]
-            shapes = [torch.Size(spec.shape) for spec in self.plan.tensors]
+            whole = any(map(self.plan.is_whole, range(len(self.plan.tensors))))
+            shapes = [torch.Size(spec.shape) for spec in self.plan.tensors] if whole else None
             self._view_places = (bases, addresses, shapes)
         _, addresses, shapes = self._view_places
-        if not _PLAIN.issuperset(map(type, params)):  # DTensors: their local tensors
-            params = [local_tensor(p) for p in params]
         # (an empty view of the buffer has its place's address too; any other mismatch goes
         # to check_views' slow path, which ignores the addresses of empty tensors)
-        return [p.shape for p in params] == shapes and [p.data_ptr() for p in params] == addresses
+        if list(map(_DATA_PTR, params)) != addresses:
+            return False
+        return shapes is None or list(map(_SHAPE, params)) == shapes
 
     def check_views(self, params: Sequence[torch.Tensor]) -> str | None:
         """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
@@ -183,6 +193,10 @@ class BucketMap:
             return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
         if self._still_views(params):
             return None
+        if self.rebind is not None:  # a strategy for moved parameters, set by the owner
+            self.rebind(params)
+            if self._still_views(params):
+                return None
         for t, p in enumerate(map(local_tensor, params)):
             moved = p.numel() > 0 and p.data_ptr() != self.address_of(t)
             if moved or tuple(p.shape) != self.plan.tensors[t].shape:
@@ -193,7 +207,28 @@ class BucketMap:
         return None
 
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_DATA_PTR = torch.Tensor.data_ptr
+_SHAPE = operator.attrgetter("shape")
+
+# [Note: views still in place]
+# Every step checks that the parameters are still the views of the buffers that ``init`` made:
+# a ``p.data = ...`` (``module.half()``, a re-seat) would leave the update writing a buffer
+# nobody reads. The check costs a read per tensor, so its fast path reads one thing per tensor:
+# the address. That is enough wherever updates are elementwise over the buffer, which is every
+# piece of a plan that cuts tensors: a parameter re-viewed at its own place in another shape is
+# still updated exactly (its elements are the buffer's, in any order the update does not see).
+# Where a plan owns tensors whole, the update may read them in their shapes (Muon, Adafactor:
+# [Note: whole matrices]), so there the shapes are compared too. Anything else found goes to
+# the slow path, which names the first parameter out of place.
+
+
+def _picker(tensors: tuple[int, ...]) -> Any:
+    """A function of a list returning its items at ``tensors``, as a list."""
+    lo = tensors[0] if tensors else 0
+    if tensors == tuple(range(lo, lo + len(tensors))):  # (any one tensor, and none)
+        return lambda items: items[lo : lo + len(tensors)]
+    get = operator.itemgetter(*tensors)  # two or more: a tuple
+    return lambda items: list(get(items))
 
 
 def _gaps(packing: Sequence[tuple[int, int, int]], numel: int) -> tuple[tuple[int, int], ...]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -115,10 +117,13 @@ class GradReducer:
     gradient once it is packed.
     """
 
-    def __init__(self, param_buffers: ParamBuffers, *, free_grads: bool) -> None:
+    def __init__(
+        self, param_buffers: ParamBuffers, *, free_grads: bool, averaged: bool = False
+    ) -> None:
         self.param_buffers = param_buffers
         self.grads = GradShards(param_buffers)
         self.free_grads = free_grads
+        self.averaged = averaged  # [Note: one rank's gradients]: no hooks
         self.present = [False] * len(param_buffers.plan.tensors)
         self._ready = [False] * len(param_buffers.plan.tensors)
         self.accumulate = False
@@ -142,11 +147,15 @@ class GradReducer:
         """Whether gradient hooks feed this reducer."""
         return self._params is not None
 
-    def reduce(self, grads: Sequence[torch.Tensor | None]) -> list[bool]:
-        """Reduces full local ``grads`` (one per plan tensor) and returns which were present."""
+    def reduce(self, grads: Sequence[torch.Tensor | None], *, views: bool = False) -> list[bool]:
+        """Reduces full local ``grads`` (one per plan tensor) and returns which were present;
+        ``views``: they are the shard's views ([Note: gradients in the shard]), already where
+        the reduction would put them: nothing to do."""
+        if views:
+            return list(map(operator.is_not, grads, repeat(None)))
         for key in self.grads.order:
             self.grads.start_reduce(key, grads, accumulate=self.accumulate)
-        self.present[:] = [g is not None for g in grads]
+        self.present[:] = map(operator.is_not, grads, repeat(None))
         return self.finish()
 
     def finish(self) -> list[bool]:
@@ -299,7 +308,8 @@ def register_grad_hooks(params: Sequence[torch.Tensor], state: Any) -> GradHooks
             gradients, or ``params`` are not its parameters.
     """
     reducer: GradReducer = getattr(state, "reducer", None)  # type: ignore[assignment]
-    if not callable(getattr(reducer, "attach", None)):  # duck-typed: doctests reload modules
+    attachable = callable(getattr(reducer, "attach", None))  # duck-typed: doctests reload modules
+    if not attachable or reducer.averaged:
         raise ValueError(
             "register_grad_hooks: expected the state of a shard(...) that reduces gradients "
             f"(stage 2, or stage 1 without grads_averaged), got a {type(state).__name__} "

@@ -52,7 +52,12 @@ DIRECT_NUMEL = 1 << 16  # [Note: one rank's gradients]
 # bucket is the whole bucket, laid out alike), with no staging and no collective: one foreach
 # copy, after which the bucket can be updated as one tensor, cheaper than a list of many small
 # pieces. Accumulation (a second backward pass before the step, with hooks) still goes through
-# the staging, whose reduction adds.
+# the staging, whose reduction adds. Gradients averaged already (``grads_averaged=True``, as the
+# drop-in's partition="flat" steps) are, at W = 1, what this path makes of local ones, so such a
+# shard gets the same reducer there (no hooks: ``register_grad_hooks`` still refuses it) and the
+# same one-tensor update. Its price where tensors are small: a gradient shard the size of the
+# gradients, paid only by a loop that sets ``.grad`` to None (a loop that keeps them has them
+# in the shard: [Note: gradients in the shard]).
 
 # [Note: gradients in the shard]
 # Stage 1 keeps the full gradients, and at W = 1 its gradient shard holds them all, laid out as
@@ -202,7 +207,10 @@ class GradShards:
             if tag is _SHARD or key[1] not in self._staging.oversized[key[0]]:  # type: ignore[union-attr]
                 self._views[(tag, key)] = views  # a persistent row: the same views next time
         dsts, zeros = views
-        srcs = [grads[t] for t in self.param_buffers.bucket_tensors[key]]
+        if type(grads) is dict:  # the hooks' bucket
+            srcs = [grads[t] for t in self.param_buffers.bucket_tensors[key]]
+        else:
+            srcs = self.param_buffers.bucket_grads(key, grads)  # type: ignore[arg-type]
         if not all(map(operator.is_not, srcs, repeat(None))):
             zeros = zeros + [d for d, g in zip(dsts, srcs) if g is None]
             dsts = [d for d, g in zip(dsts, srcs) if g is not None]
@@ -212,7 +220,7 @@ class GradShards:
         if tag is _SHARD and all(map(operator.is_, srcs, dsts)):
             return  # the caller's gradients are the views: [Note: gradients in the shard]
         if srcs:
-            torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]  # any layout and dtype
+            torch._foreach_copy_(dsts, srcs)  # any layout and dtype
             self._copied = True
 
     def _staging_views(

@@ -115,7 +115,9 @@ class OverlapBackend(Protocol):
 # Trainer moves the model to ``cpu:0`` while the parameters are on ``cpu``) copies each parameter
 # and rebinds its ``.data``, leaving the buffers behind. Before each step, ``reseat`` copies such
 # a parameter (same shape, dtype, device type and index) back into its place in the buffer and
-# rebinds it to its view; a parameter moved anywhere else is left for the step to refuse
+# rebinds it to its view (under partition="flat" the step's own views check runs it, as the
+# ParamBuffers' ``rebind``, only when some parameter is out of place: one check per step, not
+# two); a parameter moved anywhere else is left for the step to refuse
 # (flat) or is not synced (greedy, as torch's).
 
 
@@ -125,6 +127,12 @@ def reseat(param_buffers: ParamBuffers, params: Sequence[torch.Tensor]) -> None:
     [Note: re-seated parameters])."""
     if param_buffers.check_views(params) is None:
         return  # the usual case: every parameter still a view of its buffer
+    rebind_moved(param_buffers, params)
+
+
+def rebind_moved(param_buffers: ParamBuffers, params: Sequence[torch.Tensor]) -> None:
+    """``reseat`` without its first check: a ParamBuffers' ``rebind``, run by its views check
+    only when some parameter is out of place (no second check per step)."""
     for t, p in enumerate(params):
         g, _, offset = param_buffers.plan.locate(t)
         buf, n = param_buffers.buffers[g], p.numel()

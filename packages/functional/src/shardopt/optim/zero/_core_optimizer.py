@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional import ShardedState, ShardedTransformation, shard
 from shardopt.functional.engine import ProcessGroup, init_values, probe_fields, shaped
 from shardopt.optim._core_mapping import plan_local_optimizer
-from shardopt.optim.zero._backend import reseat
+from shardopt.optim.zero._backend import rebind_moved
 from shardopt.optim.zero._core_state import (
     consolidate_flat,
     load_flat,
@@ -135,6 +136,8 @@ class _Unit:
         )
         self.fields = self.structure(self.factory(**kwargs))
         self.state: ShardedState = self.sharded.init(params)
+        buffers = self.state.param_buffers  # the step's views check re-seats moved parameters
+        buffers.rebind = functools.partial(rebind_moved, buffers)  # [Note: re-seated parameters]
         self.pieces = self.state.param_buffers.param_views()
         self.pieces = shaped(self.state.param_buffers, self.pieces)  # whole tensors in their shapes
         self._initial: tuple[Any, dict[str, list[float]]] = (None, {})
@@ -321,7 +324,6 @@ class CoreShardOptimizer:
                 loss = closure()
         for unit, group in zip(self._units, self.param_groups):
             if unit is not None:
-                reseat(unit.state.param_buffers, unit.params)  # see [Note: re-seated parameters]
                 self._refresh(unit, group)
                 try:
                     unit.state = unit.sharded.step(unit.params, None, unit.state)
