@@ -11,8 +11,11 @@ bucket. Variants, each on its own copy of the parameters with the same gradients
   timer), as a loop that sets them to None gets from backward.
 - ``shard_stage2_hooks``: backward with ``register_grad_hooks`` on a tiny graph
   (``sum((p * w).sum())``, so the gradients are ``w``), then stage 2's ``step``.
-- ``backward_only``: the same backward on a copy without hooks; ``stage2_net`` is
-  ``shard_stage2_hooks`` minus it, round by round: the hooks' and the step's own cost.
+- ``backward_only``: the same backward on a copy without hooks, then every ``.grad`` set to
+  None, as torch's ``zero_grad()`` does: a torch loop frees its gradients outside ``step()``,
+  stage 2 frees each one inside, once packed (about 1 us a tensor on this CPU).
+  ``stage2_net`` is ``shard_stage2_hooks`` minus it, round by round: the hooks' and the step's
+  own cost.
 - ``dropin_flat`` / ``dropin_greedy``: shardopt's ``ZeroRedundancyOptimizer`` over AdamW,
   ``partition="flat"``, or the default greedy one with ``fused=True``.
 
@@ -158,8 +161,8 @@ def build(name: str, count: int, world: int, grads: list[torch.Tensor], numel: i
         kw = {"partition": "flat"} if name == "dropin_flat" else {"fused": True}
         opt = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-3, **kw)
         return Variant(params, opt.step)
-    if name == "backward_only":
-        return Backward(params, grads, lambda: None)
+    if name == "backward_only":  # and zero_grad(): what stage 2's hooks do for the loop
+        return Backward(params, grads, lambda: [setattr(p, "grad", None) for p in params])
     stage = 1 if name.startswith("shard_stage1") else 2
     plan = plan_partition(params, world, bucket_numel=max(1 << 20, numel))  # one bucket
     tx = shard(adamw(lr=1e-3), plan, stage=stage)

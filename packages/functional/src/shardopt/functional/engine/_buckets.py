@@ -160,10 +160,11 @@ class BucketMap:
             self._param_views = out
         return list(self._param_views)
 
-    def bucket_grads(self, key: BucketKey, grads: Sequence[Any]) -> list[Any]:
-        """``grads[t]`` for each tensor ``t`` of bucket ``key`` (a slice where they are
-        consecutive, as in one dtype's plan; no Python per tensor either way)."""
-        return self._pickers[key](grads)
+    def of_bucket(self, key: BucketKey, items: Sequence[Any]) -> list[Any]:
+        """``items[t]`` (one per plan tensor) for each tensor ``t`` of bucket ``key``, in its
+        order (a slice where they are consecutive, as in one dtype's plan; no Python per tensor
+        either way)."""
+        return self._pickers[key](items)
 
     def address_of(self, t: int) -> int:
         """Where plan tensor ``t``'s elements start in its group's buffer (a memory address)."""

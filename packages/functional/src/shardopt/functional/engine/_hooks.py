@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import operator
+from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -107,6 +108,11 @@ __all__ = [
 # hooks, a missed one sums the old gradient into the next step, as in torch).
 
 
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_SET_GRAD = vars(torch._C.TensorBase)["grad"].__set__  # p.grad = None, as a function for map
+
+
 class GradReducer:
     """Averages local gradients into its gradient shards (``grads``, [Note: gradient shards] in
     _reduction.py), bucket by bucket.
@@ -207,7 +213,8 @@ class GradReducer:
 
     def _reset_pass(self) -> None:
         params = self._params
-        trainable = [p.requires_grad for p in params] if params else [False] * len(self.present)
+        n = len(self.present)
+        trainable = list(map(_REQUIRES_GRAD, params)) if params else [False] * n
         self._ready[:] = [False] * len(self.present)  # in place: the hooks hold these lists
         self.grads.expect(trainable)  # counts each bucket's readiness
         self._queued = False
@@ -226,21 +233,20 @@ class GradReducer:
 
     def _launch(self, key: BucketKey) -> None:
         """Launches bucket ``key``'s reduction, counts it, and (stage 2) frees the full
-        gradients it packed: the same few calls whatever the bucket's tensors."""
+        gradients it packed: the same few calls whatever the bucket's tensors (the loops over
+        them run at C speed)."""
         params = self._params
         assert params is not None
-        tensors = self.param_buffers.bucket_tensors[key]
-        ready = self._ready
-        grads = [params[t].grad for t in tensors]  # of a DTensor parameter: its local tensor
-        if self.free_grads:  # stage 2: this pass's gradients only (stage 1: .grad, the sum of
-            grads = [g if ready[t] else None for g, t in zip(grads, tensors)]  # the passes)
+        mine = self.param_buffers.of_bucket(key, params)
+        grads = list(map(_GRAD, mine))  # of a DTensor parameter: its local tensor
+        ready = self.param_buffers.of_bucket(key, self._ready) if self.free_grads else None
+        if ready is not None and not all(ready):  # stage 2: this pass's gradients only
+            grads = [g if r else None for g, r in zip(grads, ready)]  # (stage 1: the sum)
         grads = local_tensors(grads)
-        self.grads.start_reduce(key, dict(zip(tensors, grads)), accumulate=self.accumulate)
+        self.grads.start_reduce(key, grads, accumulate=self.accumulate, of_bucket=True)
         self._launches.append((self._hooks_run, self.param_buffers.bucket(key).numel))
-        if self.free_grads:
-            for t in tensors:
-                if ready[t]:
-                    params[t].grad = None  # packed: free it
+        if ready is not None:  # packed: free them
+            deque(map(_SET_GRAD, compress(mine, ready), repeat(None)), maxlen=0)
 
     def _end_of_backward(self) -> None:
         with failing_together("register_grad_hooks"):

@@ -5,7 +5,7 @@ readiness (``GradShards``)."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GradShards"]
 
-LocalGrads: TypeAlias = Mapping[int, "torch.Tensor | None"] | Sequence["torch.Tensor | None"]
+LocalGrads: TypeAlias = Sequence["torch.Tensor | None"]
 
 # [Note: gradient shards]
 # The gradient half of the engine, apart from the parameter half (``ParamBuffers``) and owned by
@@ -150,17 +150,19 @@ class GradShards:
             )
         return self._staging.take(key, self._queue)
 
-    def start_reduce(self, key: BucketKey, grads: LocalGrads, *, accumulate: bool) -> None:
-        """Packs bucket ``key``'s local gradients (``grads[t]`` per plan tensor ``t`` of it:
-        a list over the plan, or a dict over the bucket) and launches their average into this
-        rank's gradient shard (added to it with ``accumulate``)."""
+    def start_reduce(
+        self, key: BucketKey, grads: LocalGrads, *, accumulate: bool, of_bucket: bool = False
+    ) -> None:
+        """Packs bucket ``key``'s local gradients (``grads[t]`` per plan tensor ``t``; with
+        ``of_bucket``, one per tensor of the bucket, in its order) and launches their average
+        into this rank's gradient shard (added to it with ``accumulate``)."""
         param_buffers, shards = self.param_buffers, self.shards
         out = param_buffers.compact(shards, key)
         if self.alone and not accumulate:  # [Note: one rank's gradients]
-            self._pack(key, out, _SHARD, grads)
+            self._pack(key, out, _SHARD, grads, of_bucket)
             return
         staging, scratch, tag = self._staging_for(key)
-        self._pack(key, staging, tag, grads)
+        self._pack(key, staging, tag, grads, of_bucket)
         part = out if param_buffers.replicate is None else torch.empty_like(out)
         g = key[0]
         pending = self.reduction.bucket(
@@ -196,7 +198,12 @@ class GradShards:
         return self._direct
 
     def _pack(
-        self, key: BucketKey, staging: torch.Tensor, tag: Hashable, grads: LocalGrads
+        self,
+        key: BucketKey,
+        staging: torch.Tensor,
+        tag: Hashable,
+        grads: LocalGrads,
+        of_bucket: bool,
     ) -> None:
         """Copies bucket ``key``'s gradients into ``staging`` by one foreach copy, and zeros
         its padding and the places of missing gradients by one foreach zero (see [Note:
@@ -207,10 +214,7 @@ class GradShards:
             if tag is _SHARD or key[1] not in self._staging.oversized[key[0]]:  # type: ignore[union-attr]
                 self._views[(tag, key)] = views  # a persistent row: the same views next time
         dsts, zeros = views
-        if type(grads) is dict:  # the hooks' bucket
-            srcs = [grads[t] for t in self.param_buffers.bucket_tensors[key]]
-        else:
-            srcs = self.param_buffers.bucket_grads(key, grads)  # type: ignore[arg-type]
+        srcs = list(grads) if of_bucket else self.param_buffers.of_bucket(key, grads)
         if not all(map(operator.is_not, srcs, repeat(None))):
             zeros = zeros + [d for d, g in zip(dsts, srcs) if g is None]
             dsts = [d for d, g in zip(dsts, srcs) if g is not None]
@@ -220,7 +224,7 @@ class GradShards:
         if tag is _SHARD and all(map(operator.is_, srcs, dsts)):
             return  # the caller's gradients are the views: [Note: gradients in the shard]
         if srcs:
-            torch._foreach_copy_(dsts, srcs)  # any layout and dtype
+            torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]  # any layout and dtype
             self._copied = True
 
     def _staging_views(
@@ -286,8 +290,8 @@ class GradShards:
     def expect(self, trainable: Sequence[bool]) -> None:
         """Starts counting a backward pass: each bucket waits for the gradients of its tensors
         ``t`` with ``trainable[t]`` (``left``, by launch position, updated in place)."""
-        buckets = self.param_buffers.bucket_tensors
-        self.left[:] = [sum([trainable[t] for t in buckets[key]]) for key in self.order]
+        of_bucket = self.param_buffers.of_bucket
+        self.left[:] = [sum(of_bucket(key, trainable)) for key in self.order]
         self.next_position = 0
 
     def mark_ready(self, t: int) -> list[BucketKey]:
