@@ -16,8 +16,10 @@ __all__ = ["RankBytes", "Traffic", "shard_cost", "replica_traffic", "ring_bytes"
 # [Note: cost of a sharded optimizer]
 # ``shard_cost`` reads the plan the engine runs on and the engine's own rules (staging_numel,
 # bucket_calls), so a prediction and a run cannot drift apart; a test compares both byte for byte
-# at W = 2, 3 and 4. The optimizer is Adam/AdamW over the plan's (trainable) tensors. Per rank,
-# between steps:
+# at W = 2, 3 and 4. A world of one rank is not modelled: there the engine packs no staging and
+# takes large tensors' gradients as they are, and gives small ones a gradient shard even with
+# ``grads_averaged`` ([Note: one rank's gradients]). The optimizer is Adam/AdamW over the plan's
+# (trainable) tensors. Per rank, between steps:
 # - params: the flat buffers of every group (padding included) plus the frozen parameters, held
 #   whole;
 # - grads: the full local ``.grad`` of every trainable parameter where they are kept (stage 1),
