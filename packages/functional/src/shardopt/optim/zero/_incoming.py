@@ -19,7 +19,7 @@ from shardopt.optim.zero._core_backend import CoreBackend
 from shardopt.optim.zero._probe_state import torch_specs
 from shardopt.optim.zero._state_dicts import saved_entries
 
-__all__ = ["checked_load", "check_torch_load"]
+__all__ = ["check_optimizer_load", "check_torch_load", "checked_load"]
 
 
 def _core_specs(
@@ -76,3 +76,28 @@ def checked_load(
         specs = torch_specs(cls, defaults, zero.param_groups, saved_groups)
     check_torch_load(api, specs, entries, allow_nonfinite=allow_nonfinite, rank=zero.rank)
     return entries
+
+
+def check_optimizer_load(
+    api: str, optim: torch.optim.Optimizer, state_dict: Any, *, allow_nonfinite: bool
+) -> None:
+    """Checks a state dict for a local torch optimizer ``optim`` (probed record of its class,
+    see [Note: probed state records]) without loading it; a dict whose param groups do not
+    match ``optim``'s is left for ``optim.load_state_dict`` to refuse."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"{api}: expected a state dict, got {type(state_dict).__name__}")
+    saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    groups = optim.param_groups
+    if not isinstance(saved_groups, list) or not isinstance(state, Mapping):
+        return
+    sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in saved_groups]
+    if sizes != [len(g["params"]) for g in groups]:
+        return
+    problem = hyperparam_problem(api, saved_groups, groups)
+    if problem is not None:
+        raise ValueError(problem)
+    ids = [i for g in saved_groups for i in g["params"]]
+    params = [p for g in groups for p in g["params"]]
+    entries = {p: state[i] for i, p in zip(ids, params) if i in state}
+    specs = torch_specs(type(optim), dict(optim.defaults), groups, saved_groups)
+    check_torch_load(api, specs, entries, allow_nonfinite=allow_nonfinite, rank=None)
