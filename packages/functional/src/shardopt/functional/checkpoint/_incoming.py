@@ -202,22 +202,25 @@ def _number_problem(spec: EntrySpec, entry: Mapping[str, Any]) -> tuple[str, boo
 
 
 def _verdicts(data: Sequence[_Datum]) -> list[tuple[bool, bool]]:
-    """(finite, >= 0 where bound) per datum: one aminmax each, one host read per device."""
-    by_device: dict[torch.device, list[int]] = {}
+    """(finite, >= 0) per datum: one aminmax each, then per device and dtype a few operators
+    over all the minima and maxima and one host read."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, d in enumerate(data):
-        by_device.setdefault(d.value.device, []).append(i)
+        groups.setdefault((d.value.device, d.value.dtype), []).append(i)
     out: list[tuple[bool, bool]] = [(True, True)] * len(data)
     with torch.no_grad():
-        for indices in by_device.values():
-            rows = []
+        for indices in groups.values():
+            lows, highs = [], []
             for i in indices:
                 value = data[i].value.detach()
-                value = torch.view_as_real(value) if value.is_complex() else value
-                low, high = torch.aminmax(value)
-                finite = torch.isfinite(low) & torch.isfinite(high)
-                rows.append(torch.stack([finite, ~(low < 0)]))
-            flags = torch.stack(rows).tolist()
-            for i, (finite, nonnegative) in zip(indices, flags):
+                low, high = torch.aminmax(
+                    torch.view_as_real(value) if value.is_complex() else value
+                )
+                lows.append(low.reshape(()))
+                highs.append(high.reshape(()))
+            low, high = torch.stack(lows), torch.stack(highs)
+            flags = torch.stack([torch.isfinite(low) & torch.isfinite(high), ~(low < 0)])
+            for i, finite, nonnegative in zip(indices, *flags.tolist()):
                 out[i] = (bool(finite), bool(nonnegative))
     return out
 
