@@ -240,6 +240,17 @@ def _file_loads_refuse(world: World, root: str) -> dict[str, str]:
                 else:
                     load_sharded_state_dict(target.state, sharded, allow_nonfinite=True)
         dist.barrier()
+    if world.world_size == 2:  # rank 1's shard alone damaged: rank 0 refuses too, naming it
+        source = _damaged_state(world, "exp_avg NaN") if world.rank == 1 else _Functional(2).state
+        target = _Functional(2)
+        before = target.snapshot()
+        with pytest.raises(ValueError) as info:
+            load_sharded_state_dict(target.state, sharded_state_dict(source))
+        said = "load_sharded_state_dict: parameter 0 (group 0), entry 'exp_avg': expected finite"
+        if said not in str(info.value) or (world.rank == 0 and "rank 1" not in str(info.value)):
+            failed["load_sharded_state_dict, rank 1 alone"] = str(info.value)
+        if target.snapshot() != before:
+            failed["load_sharded_state_dict, rank 1 alone"] = "state changed"
     return failed
 
 

@@ -26,6 +26,7 @@ from shardopt.functional.checkpoint._incoming import (
     check_entries,
 )
 from shardopt.functional.engine._state import ShardedState, StateField
+from shardopt.functional.engine._validate import agree_across_ranks
 
 __all__ = ["SHARDED_FORMAT", "load_sharded_state_dict", "sharded_state_dict"]
 
@@ -119,8 +120,9 @@ def load_sharded_state_dict(
     injected hyperparameters (set into the state's dict, see
     [Note: hyperparameters of a sharded state]), and each parameter's values ([Note: incoming
     state]: step counts and second moments >= 0, everything finite; ``allow_nonfinite=True``
-    loads NaN and inf values, a diverged run reloaded on purpose). Local: each rank checks
-    its own dict.
+    loads NaN and inf values, a diverged run reloaded on purpose). Every rank of the state's
+    group calls it, each with its own dict: a refusal on one rank is raised on every rank
+    ([Note: cross-rank validation]: one small all-gather), and nothing is written anywhere.
 
     Raises:
         ValueError: on any mismatch, e.g. ``load_sharded_state_dict: expected the state dict of
@@ -146,11 +148,18 @@ def load_sharded_state_dict(
     """
     api = "load_sharded_state_dict"
     fulls = state.master.fulls()  # float32 masters, filled by the pairs, then loaded
-    pairs = _check_sharded(api, state, sd, fulls)
-    refusal = check_entries(api, _piece_items(state, sd), allow_nonfinite=allow_nonfinite)
-    if refusal is not None:
-        raise ValueError(refusal)
-    writes = checked_hyperparams(api, state, sd.get("hyperparams", {}), every=True)
+    failure: ValueError | None = None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    writes: Any = None
+    try:  # every check on every rank, then the agreement, then the writes
+        pairs = _check_sharded(api, state, sd, fulls)
+        refusal = check_entries(api, _piece_items(state, sd), allow_nonfinite=allow_nonfinite)
+        if refusal is not None:
+            raise ValueError(refusal)
+        writes = checked_hyperparams(api, state, sd.get("hyperparams", {}), every=True)
+    except ValueError as exc:
+        failure = exc
+    agree_across_ranks(api, failure, 0, state.param_buffers.group)
     with torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)

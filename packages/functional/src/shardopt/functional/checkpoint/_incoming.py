@@ -272,8 +272,8 @@ def check_entries(
 
 def _type_problem(made: Any, value: Any) -> str | None:
     """Why ``value`` cannot stand where the optimizer has ``made``, or None."""
-    if isinstance(made, bool) or made is None:
-        ok = made is None or isinstance(value, bool)
+    if isinstance(made, bool) or made is None:  # (None: torch's "not set", as foreach)
+        ok = made is None or value is None or isinstance(value, bool)
         return None if ok else f"a bool, got {type(value).__name__}"
     if _number(made) or isinstance(made, torch.Tensor):
         real = isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
