@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import torch
@@ -46,20 +46,29 @@ def check_torch_load(
     *,
     allow_nonfinite: bool,
     rank: int | None,
+    held: Container[torch.Tensor] | None = None,
 ) -> None:
-    """Raises ValueError naming ``api`` for the first bad entry (see [Note: incoming state]);
-    checks everything, writes nothing."""
+    """Raises ValueError naming ``api`` for the first bad entry (see [Note: incoming state]):
+    the form of every entry, the values of those of ``held`` (None: all); writes nothing."""
     items = [(specs[p], entry) for p, entry in entries.items() if entry is not None]
-    refusal = check_entries(api, items, allow_nonfinite=allow_nonfinite, rank=rank)
+    refusal = check_entries(api, items, rank=rank, domain=False)
+    if refusal is None:
+        mine = [(specs[p], e) for p, e in entries.items() if e is not None and _in(p, held)]
+        refusal = check_entries(api, mine, allow_nonfinite=allow_nonfinite, rank=rank)
     if refusal is not None:
         raise ValueError(refusal)
+
+
+def _in(p: torch.Tensor, held: Container[torch.Tensor] | None) -> bool:
+    return held is None or p in held
 
 
 def checked_load(
     api: str, zero: Any, state_dict: Any, *, allow_nonfinite: bool
 ) -> dict[torch.Tensor, Any]:
-    """``zero.load_state_dict``'s local part: parameter -> its entry, every entry of the dict
-    checked (all of them on every rank, so every rank given the same dict finds the same)."""
+    """``zero.load_state_dict``'s local part: parameter -> its entry, the form of every entry
+    checked on every rank, the values of those this rank loads (a refusal reaches the others
+    through the agreement)."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise ValueError(f"{api}: expected a dict with 'state' and 'param_groups', got {got}")
@@ -74,7 +83,10 @@ def checked_load(
     else:
         cls, defaults = zero._optim_constructor, zero._optim_defaults
         specs = torch_specs(cls, defaults, zero.param_groups, saved_groups)
-    check_torch_load(api, specs, entries, allow_nonfinite=allow_nonfinite, rank=zero.rank)
+    held = {p for g in zero._partition_parameters()[zero.rank] for p in g["params"]}
+    check_torch_load(
+        api, specs, entries, allow_nonfinite=allow_nonfinite, rank=zero.rank, held=held
+    )
     return entries
 
 
