@@ -30,9 +30,11 @@ __all__ = [
 # parameter: its index and group, shape and dtype, and per state key an Expected (the shape, the
 # dtype it makes, whether it is a step count, whether it is a second moment). The specs come from
 # shardopt.core's declared state fields (the torch keys of [Note: torch state keys]) or, for
-# torch's and third-party classes, from what one probed step of the class creates (shardopt.optim);
-# a class that cannot be probed has no keys (``keys=None``) and its tensors are checked for shape
-# (the parameter's, or one value) and dtype only. The rules, in order, per entry:
+# torch's and third-party classes, from what one probed step of the class creates ([Note: probed
+# state records] in shardopt.optim);
+# a class that cannot be probed has no keys (``keys=None``) and its tensors are checked for dtype
+# and memory only (its shapes are unknown: LBFGS keeps flat directions over all parameters). The
+# rules, in order, per entry:
 # - keys: every key a step creates is there (core forms: nothing else either);
 # - form: a tensor of the expected shape, strided, in real (not meta) and owned memory (no
 #   expanded or overlapping view: the step writes it in place), of a real floating dtype for a
@@ -41,13 +43,16 @@ __all__ = [
 # - domain: a step count >= 0; a second moment (NONNEGATIVE_KEYS) >= 0; everything finite.
 # The metadata rules cost nothing; the domain needs one pass over the data, done as one
 # ``torch.aminmax`` per tensor (min and max: NaN propagates, inf shows, a negative shows) and one
-# host read of all the verdicts per device. Non-finite values are refused unless the load is
-# told ``allow_nonfinite=True`` (the one switch of every load API: a diverged run reloaded on
-# purpose); a negative second moment or step is refused regardless. Hyperparameters in saved
-# param groups must be of the types the optimizer reads (``hyperparam_problem``). A refusal names
-# the API, the parameter (index and group), the key, what was expected and what was found; the
-# callers raise it on every rank together through the cross-rank agreement ([Note: cross-rank
-# validation]), or, where a load does not communicate, check the whole dict alike on every rank.
+# host read of all the verdicts per device and dtype (the drop-in reads the values of the entries
+# its rank loads only; the form of every entry on every rank). Non-finite values are refused
+# unless the load is told ``allow_nonfinite=True`` (the one switch of every load API: a diverged
+# run reloaded on purpose); a negative second moment or step is refused regardless.
+# Hyperparameters in saved param groups must be of the types the optimizer reads
+# (``hyperparam_problem``). A refusal names the API, the parameter (index and group), the key,
+# what was expected and what was found; the callers raise it on every rank together through the
+# cross-rank agreement ([Note: cross-rank validation]), or, where a load does not communicate
+# (load_torch_state_dict, a PostLocalSGDOptimizer over a local class), check the whole dict
+# alike on every rank.
 
 NONNEGATIVE_KEYS = frozenset(
     {
@@ -119,7 +124,8 @@ def _dense(t: torch.Tensor) -> bool:
 
 def _form(spec: EntrySpec, key: str, value: Any, want: Expected | None) -> str | None:
     """What is wrong with the form of ``value`` (metadata only), as "expected ..., got ...", or
-    None. ``want`` None: a key the spec does not know (shape: the parameter's or one value)."""
+    None. ``want`` None: a key the spec does not know (its memory and dtype checked, not its
+    shape: a class the probe cannot step may keep anything, as LBFGS its flat directions)."""
     scalar = want is not None and want.shape == ()
     if _number(value) and (want is None or scalar):
         return None
@@ -129,11 +135,9 @@ def _form(spec: EntrySpec, key: str, value: Any, want: Expected | None) -> str |
         return f"a tensor, got {type(value).__name__}"
     if value.layout != torch.strided or value.device.type == "meta":
         return f"a dense tensor in memory, got layout {value.layout} on {value.device}"
-    shapes = [spec.shape, ()] if want is None else [want.shape]
-    if None not in shapes and tuple(value.shape) not in shapes:
-        wanted = " or ".join(str(tuple(s)) for s in shapes if s is not None)
+    if want is not None and want.shape is not None and tuple(value.shape) != want.shape:
         whose = "" if scalar else " (the parameter's)"
-        return f"shape {wanted}{whose}, got {tuple(value.shape)}"
+        return f"shape {want.shape}{whose}, got {tuple(value.shape)}"
     if not _dense(value):
         return (
             f"a tensor of its own memory, got an expanded or overlapping view (strides "
