@@ -289,12 +289,12 @@ def test_the_torch_form_refuses_what_it_cannot_represent_and_takes_names(run_wor
         "bad to": "consolidate_state_dict: expected 0 <= to < 2, got 2",
         "param groups": "consolidate_state_dict: expected param_groups to be one mapping, or 1",
         "names": "consolidate_state_dict: expected names to be 7 strings",
-        "sgd dict": "load_torch_state_dict: expected state[0] with keys ['exp_avg', 'exp_avg_sq'"
-        ", 'step'], got ['momentum_buffer']",
+        "sgd dict": "load_torch_state_dict: parameter 0 (group 0), keys: expected ['exp_avg', "
+        "'exp_avg_sq', 'step'] (what a step makes), got ['momentum_buffer']",
         "other model": "load_torch_state_dict: expected param_groups with params [[0, 1, 2, 3, "
         "4, 5, 6]], got [[0]]",
-        "wrong shape": "load_torch_state_dict: expected state[0]['exp_avg'] of shape (7, 5), "
-        "got (5, 7)",
+        "wrong shape": "load_torch_state_dict: parameter 0 (group 0), entry 'exp_avg': expected "
+        "shape (7, 5) (the parameter's), got (5, 7)",
     }
     for rank, out in enumerate(results):
         for what, fragment in expected.items():

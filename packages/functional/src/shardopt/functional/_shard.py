@@ -186,6 +186,7 @@ def shard(
 
     @fails_together("shard.init")
     def init(params: PyTree) -> ShardedState:
+        _refuse_non_tensors(tree_leaves(params), groups)
         split = [is_split(p) for p in tree_leaves(params)]
         whole = meta_tree(params)  # masks and labels are resolved on these ([Note: kinds])
         state = _init(tx, plan, opts, groups, local_tensors(params), split, whole)
@@ -201,6 +202,21 @@ def shard(
             return _step(tx, opts, groups.shard, tree_leaves(params), grads, state)
 
     return ShardedTransformation(init, step)
+
+
+def _refuse_non_tensors(leaves: list[Any], groups: MeshGroups) -> None:
+    """A TypeError naming the first leaf of ``params`` that is neither a tensor nor None, raised
+    on every rank through init's agreement (the others name this rank); nothing if none."""
+    bad = next(
+        ((i, x) for i, x in enumerate(leaves) if x is not None and not isinstance(x, torch.Tensor)),
+        None,
+    )
+    if bad is not None:
+        i, x = bad
+        error = TypeError(
+            f"shard.init: expected params[{i}] to be a tensor, got {type(x).__name__}"
+        )
+        agree_across_ranks("shard", error, 0, groups.agree)
 
 
 def _piece_dtypes(plan: Plan, opts: ShardOptions) -> list[torch.dtype]:

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from shardopt.optim.zero._incoming import check_optimizer_load
+from shardopt.optim.zero._optimizer import ZeroRedundancyOptimizer
+
 __all__ = ["PostLocalSGDOptimizer"]
 
 # [Note: a wrapper, not an optimizer]
@@ -104,13 +107,31 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         state_dict["step"] = self.averager.step
         return state_dict
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_nonfinite: bool = False) -> None:
         """Loads the wrapped optimizer's state and restores the averager's step.
 
         A state dict without ``"step"`` (one saved by the wrapped optimizer itself, say) sets the
-        averager's step to 0, with a warning: its warm-up then starts over.
+        averager's step to 0, with a warning: its warm-up then starts over. Everything is checked
+        before anything is loaded ([Note: incoming state]): the averager's step (an int >= 0)
+        and, for a torch.optim local optimizer, every entry against what its class makes (a
+        ZeroRedundancyOptimizer checks its own, on every rank together); a local optimizer's
+        check is local, alike on every rank given the same dict. ``allow_nonfinite=True`` loads
+        NaN and inf values (a diverged run, reloaded on purpose).
+
+        Raises:
+            ValueError: an entry, a hyperparameter or the step is refused; nothing was loaded.
         """
-        self.optim.load_state_dict(state_dict)
+        api = "PostLocalSGDOptimizer.load_state_dict"
+        step = state_dict.get("step", 0) if isinstance(state_dict, dict) else 0
+        if type(step) is not int or step < 0:
+            raise ValueError(
+                f"{api}: expected 'step' an int >= 0, got {step!r}; nothing was loaded"
+            )
+        if isinstance(self.optim, ZeroRedundancyOptimizer):
+            self.optim.load_state_dict(state_dict, allow_nonfinite=allow_nonfinite)
+        else:
+            check_optimizer_load(api, self.optim, state_dict, allow_nonfinite=allow_nonfinite)
+            self.optim.load_state_dict(state_dict)
         if "step" in state_dict:
             self.averager.step = state_dict["step"]
         else:

@@ -8,13 +8,25 @@ from typing import Any
 import torch
 
 from shardopt.core import Plan
-from shardopt.functional.checkpoint._checkpoint_keys import outside_tensors
+from shardopt.functional.checkpoint._checkpoint_keys import (
+    field_keys,
+    outside_tensors,
+    piece_slots,
+    piece_value,
+)
 from shardopt.functional.checkpoint._hyperparams import (
     checked_hyperparams,
     saved_hyperparams,
     write_hyperparams,
 )
-from shardopt.functional.engine._state import ShardedState
+from shardopt.functional.checkpoint._incoming import (
+    NONNEGATIVE_KEYS,
+    EntrySpec,
+    Expected,
+    check_entries,
+)
+from shardopt.functional.engine._state import ShardedState, StateField
+from shardopt.functional.engine._validate import agree_across_ranks
 
 __all__ = ["SHARDED_FORMAT", "load_sharded_state_dict", "sharded_state_dict"]
 
@@ -98,13 +110,19 @@ def sharded_state_dict(state: ShardedState) -> dict[str, Any]:
     }
 
 
-def load_sharded_state_dict(state: ShardedState, sd: Mapping[str, Any]) -> None:
+def load_sharded_state_dict(
+    state: ShardedState, sd: Mapping[str, Any], *, allow_nonfinite: bool = False
+) -> None:
     """Copies a :func:`sharded_state_dict` of the same plan and rank into ``state``, in place.
 
     Everything is checked before anything is written: the format, the plan (equal to
     ``state``'s), the rank, the field paths, kinds, sizes and dtypes, the master weights, the
     injected hyperparameters (set into the state's dict, see
-    [Note: hyperparameters of a sharded state]).
+    [Note: hyperparameters of a sharded state]), and each parameter's values ([Note: incoming
+    state]: step counts and second moments >= 0, everything finite; ``allow_nonfinite=True``
+    loads NaN and inf values, a diverged run reloaded on purpose). Every rank of the state's
+    group calls it, each with its own dict: a refusal on one rank is raised on every rank
+    ([Note: cross-rank validation]: one small all-gather), and nothing is written anywhere.
 
     Raises:
         ValueError: on any mismatch, e.g. ``load_sharded_state_dict: expected the state dict of
@@ -130,13 +148,51 @@ def load_sharded_state_dict(state: ShardedState, sd: Mapping[str, Any]) -> None:
     """
     api = "load_sharded_state_dict"
     fulls = state.master.fulls()  # float32 masters, filled by the pairs, then loaded
-    pairs = _check_sharded(api, state, sd, fulls)
-    writes = checked_hyperparams(api, state, sd.get("hyperparams", {}), every=True)
+    failure: ValueError | None = None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    writes: Any = None
+    try:  # every check on every rank, then the agreement, then the writes
+        pairs = _check_sharded(api, state, sd, fulls)
+        refusal = check_entries(api, _piece_items(state, sd), allow_nonfinite=allow_nonfinite)
+        if refusal is not None:
+            raise ValueError(refusal)
+        writes = checked_hyperparams(api, state, sd.get("hyperparams", {}), every=True)
+    except ValueError as exc:
+        failure = exc
+    agree_across_ranks(api, failure, 0, state.param_buffers.group)
     with torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)
     state.master.load_all(fulls)
     write_hyperparams(writes)
+
+
+def _piece_items(state: ShardedState, sd: Mapping[str, Any]) -> list[tuple[EntrySpec, Any]]:
+    """Each piece's incoming values (form checked already) under their keys, with what the
+    optimizer makes for them: one entry per piece of this rank ([Note: incoming state])."""
+    param_buffers, plan = state.param_buffers, state.param_buffers.plan
+    keys = field_keys(state, "load_sharded_state_dict")
+    slots = piece_slots(param_buffers)
+    incoming = [
+        (StateField(f.path, f.granularity, tuple(sd["fields"][f.path]["buffers"])), key)
+        for f, key, _ in keys.entries
+        if isinstance(f, StateField)
+    ]
+    items = []
+    for k, piece in enumerate(param_buffers.pieces):
+        entry = {key: piece_value(f, param_buffers, k, slots) for f, key in incoming}
+        made = {
+            key: Expected(
+                tuple(v.shape), v.dtype, count=key == "step", nonnegative=key in NONNEGATIVE_KEYS
+            )
+            for key, v in entry.items()
+        }
+        spec = plan.tensors[piece.tensor]
+        shape = (piece.numel,)
+        items.append(
+            (EntrySpec(piece.tensor, spec.param_group, shape, spec.torch_dtype, made), entry)
+        )
+    return items
 
 
 def _check_sharded(

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardopt.core import Plan
 from shardopt.functional.checkpoint._checkpoint_keys import (
     FieldKeys,
     has_state,
@@ -36,6 +37,12 @@ from shardopt.functional.checkpoint._hyperparams import (
     saved_hyperparams,
     typed_like,
     write_hyperparams,
+)
+from shardopt.functional.checkpoint._incoming import (
+    NONNEGATIVE_KEYS,
+    EntrySpec,
+    Expected,
+    check_entries,
 )
 from shardopt.functional.checkpoint._lock import SaveLock
 from shardopt.functional.checkpoint._publish import (
@@ -218,6 +225,7 @@ def load_checkpoint(
     names: Sequence[str] | None = None,
     extra: MutableMapping[str, Any] | None = None,
     process_group: ProcessGroup | DeviceMesh = None,
+    allow_nonfinite: bool = False,
 ) -> None:
     """Loads a :func:`save_checkpoint` directory into ``state`` in place, at any world size or plan.
 
@@ -230,7 +238,9 @@ def load_checkpoint(
     hyperparameters in the checkpoint are read and checked first, and set with the rest (see
     [Note: hyperparameters of a sharded state]). No code from the files runs, and the state
     (``extra`` too) is written only once every rank has read and checked all of it: a failed
-    load changes nothing (see [Note: safe loads]).
+    load changes nothing (see [Note: safe loads]). The state read is checked before it is
+    written ([Note: incoming state]): step counts and second moments >= 0, everything finite
+    (``allow_nonfinite=True`` loads NaN and inf values, a diverged run reloaded on purpose).
 
     Raises:
         ValueError: on every rank, before any data is read: the checkpoint does not fit the
@@ -239,6 +249,8 @@ def load_checkpoint(
         CheckpointError: on every rank, when a rank's reads fail or an entry is refused (a
             crafted or truncated entry, chunks that do not cover a tensor exactly once, another
             dtype), naming the entry.
+        ValueError: on every rank, after reading and before writing: a value out of its domain
+            (a negative step or second moment, NaN or inf), naming the parameter and entry.
 
     Example:
         see :func:`save_checkpoint`.
@@ -288,7 +300,12 @@ def load_checkpoint(
     stateful = {k: v for k, v in (extra or {}).items() if isinstance(v, Stateful)}
     sd = {OPTIM_KEY: optim, **(extra or {}), **{k: v.state_dict() for k, v in stateful.items()}}
     # everything read and checked, then written: all or nothing
-    _read(api, sd, reader, process_group)
+    index_of = {name: t for t, name in enumerate(key_of)}
+
+    def check(got: list[tuple[str, torch.Tensor]]) -> str | None:
+        return _domain_refusal(plan, index_of, got, allow_nonfinite)
+
+    _read(api, sd, reader, process_group, check)
     write_hyperparams(writes)
     if extra is not None:
         for k, v in stateful.items():
@@ -302,13 +319,43 @@ def load_checkpoint(
     state.master.load_all(fulls)  # remainders: their split, parameters included
 
 
-def _read(api: str, sd: dict[str, Any], reader: SafeReader, group: ProcessGroup) -> None:
+def _domain_refusal(
+    plan: Plan, names: dict[str, int], staged: list[tuple[str, torch.Tensor]], nonfinite: bool
+) -> str | None:
+    """load_checkpoint's check of the state it read ([Note: incoming state]): the chunks'
+    shapes and dtypes are the metadata's, checked already; their values here."""
+    prefix, items = f"{OPTIM_KEY}.state.", []
+    for fqn, part in staged:
+        if not fqn.startswith(prefix):
+            continue
+        name, key = fqn[len(prefix) :].rsplit(".", 1)
+        t = names.get(name, -1)
+        group = plan.tensors[t].param_group if t >= 0 else -1
+        bound = key in NONNEGATIVE_KEYS
+        made = {
+            key: Expected(tuple(part.shape), part.dtype, count=key == "step", nonnegative=bound)
+        }
+        items.append((EntrySpec(name, group, tuple(part.shape), part.dtype, made), {key: part}))
+    return check_entries("load_checkpoint", items, allow_nonfinite=nonfinite)
+
+
+def _read(
+    api: str,
+    sd: dict[str, Any],
+    reader: SafeReader,
+    group: ProcessGroup,
+    check: Callable[[list[tuple[str, torch.Tensor]]], str | None] | None = None,
+) -> None:
     """Loads ``sd`` in place from ``reader``'s checkpoint, only once every rank read all of it
-    (see [Note: safe loads]); raises CheckpointError on every rank otherwise."""
+    (see [Note: safe loads]) and ``check`` found nothing wrong in what it read, on any rank;
+    raises CheckpointError (a failed read) or ValueError (``check``'s) on every rank otherwise."""
     planner = StagedPlanner(api, f"{OPTIM_KEY}.")
     try:
         dcp.load(sd, storage_reader=reader, planner=planner, process_group=group)
     except dcp.CheckpointException as exc:  # raised on every rank alike
         raise dcp_failure(api, exc) from exc
+    if check is not None:  # [Note: incoming state]
+        problem = check(planner.staged())
+        agree_across_ranks(api, None if problem is None else ValueError(problem), 0, group)
     with torch.no_grad():
         planner.commit(sd)

@@ -340,6 +340,10 @@ class StagedPlanner(DefaultLoadPlanner):
             )
         self._tensors.append((item, part))
 
+    def staged(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors read so far, not yet written: (key, chunk) pairs."""
+        return [(item.storage_index.fqn, part) for item, part in self._tensors]
+
     def commit(self, sd: dict[str, Any]) -> None:
         """Writes everything staged into ``sd`` (the state dict given to ``dcp.load``), once
         every rank has read all: the tensors in place, the other values by their key path."""

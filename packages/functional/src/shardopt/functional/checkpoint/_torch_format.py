@@ -24,6 +24,7 @@ from shardopt.functional.checkpoint._consolidate import (
     merge_codes,
     shaped_dtypes,
 )
+from shardopt.functional.checkpoint._incoming import EntrySpec, check_entries, torch_form_specs
 from shardopt.functional.engine._collectives import ProcessGroup, comm_device
 from shardopt.functional.engine._failure import fails_together
 from shardopt.functional.engine._renamed import renamed_keyword
@@ -35,7 +36,12 @@ from shardopt.functional.engine._validate import (
     plan_fields,
 )
 
-__all__ = ["consolidate_state_dict", "load_torch_state_dict", "torch_hyperparams"]
+__all__ = [
+    "consolidate_state_dict",
+    "load_torch_state_dict",
+    "torch_hyperparams",
+    "write_torch_state_dict",
+]
 
 Hyperparams = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 
@@ -246,7 +252,11 @@ def param_group_dicts(
 
 
 def load_torch_state_dict(
-    state: ShardedState, torch_sd: Mapping[str, Any], *, names: Sequence[str] | None = None
+    state: ShardedState,
+    torch_sd: Mapping[str, Any],
+    *,
+    names: Sequence[str] | None = None,
+    allow_nonfinite: bool = False,
 ) -> None:
     """Copies a ``torch.optim`` state dict into this rank's shards, in place (no communication).
 
@@ -259,9 +269,16 @@ def load_torch_state_dict(
     (count 0). Master weights, which torch.optim does not have, are re-initialised from the
     current parameters.
 
+    Every entry is checked before anything is written ([Note: incoming state]): its keys, each
+    tensor's shape, dtype (never complex for a real parameter) and memory (no expanded or
+    overlapping view), step counts and second moments >= 0, every value finite. The whole dict
+    is checked on every rank alike, so every rank given the same dict refuses it together.
+    ``allow_nonfinite=True`` loads NaN and inf values (a diverged run, reloaded on purpose).
+
     Raises:
         ValueError: a state that torch cannot represent, or a dict that does not match the plan
-            or the optimizer (a missing or unexpected key, a shape), before anything is written.
+            or the optimizer (a missing or unexpected key, a shape, a dtype, a view, a value out
+            of its domain), before anything is written.
 
     Example:
         >>> import torch, torch.distributed as dist, tempfile, os
@@ -280,15 +297,38 @@ def load_torch_state_dict(
         tensor([1., 1., 1.])
         >>> dist.destroy_process_group()
     """
-    api = "load_torch_state_dict"
+    write_torch_state_dict(
+        "load_torch_state_dict", state, torch_sd, names, allow_nonfinite=allow_nonfinite
+    )
+
+
+def write_torch_state_dict(
+    api: str,
+    state: ShardedState,
+    torch_sd: Any,
+    names: Sequence[str] | None = None,
+    *,
+    allow_nonfinite: bool = False,
+    domain: bool = True,
+) -> None:
+    """:func:`load_torch_state_dict` for ``api``; ``domain=False``: the caller checked the
+    values already ([Note: incoming state]), only their form is checked here."""
     state.param_buffers.wait_params()
     keysets = state_keys(state, api, torch_only=True)
     param_buffers, plan = state.param_buffers, state.param_buffers.plan
     key_of = param_keys(api, plan, names)
     entries: list[Mapping[str, Any] | None] = [None] * len(plan.tensors)
+    items: list[tuple[EntrySpec, Any]] = []
     for keys, sd in zip(keysets, _dicts_of(api, state, keysets, torch_sd)):
-        for t, entry in enumerate(_checked_entries(api, plan, keys, sd, _keys_in(keys, key_of))):
+        keyed = _keys_in(keys, key_of)
+        specs = torch_form_specs(plan, keys, keyed)
+        for t, entry in enumerate(_checked_entries(api, plan, keys, sd, keyed)):
             entries[t] = entries[t] if entry is None else entry
+            if entry is not None and (spec := specs[t]) is not None:
+                items.append((spec, entry))
+    refusal = check_entries(api, items, allow_nonfinite=allow_nonfinite, domain=domain)
+    if refusal is not None:
+        raise ValueError(refusal)
     slots = piece_slots(param_buffers)
     for k, piece in enumerate(param_buffers.pieces):
         found = keys_of(keysets, piece.tensor)
@@ -338,7 +378,8 @@ def _dicts_of(
 def _checked_entries(
     api: str, plan: Plan, keys: FieldKeys, torch_sd: Any, key_of: Sequence[Hashable]
 ) -> list[Mapping[str, Any] | None]:
-    """Each plan tensor's entry of ``torch_sd["state"]`` (None if absent), all checked."""
+    """Each plan tensor's entry of ``torch_sd["state"]`` (None if absent), the dict's form
+    checked (the entries': [Note: incoming state])."""
     if not isinstance(torch_sd, Mapping) or set(torch_sd) != {"state", "param_groups"}:
         got = sorted(torch_sd) if isinstance(torch_sd, Mapping) else type(torch_sd).__name__
         raise ValueError(f"{api}: expected a dict with keys 'param_groups' and 'state', got {got}")
@@ -352,28 +393,4 @@ def _checked_entries(
     unknown = [k for k in state if k not in set(known)]
     if unknown:
         raise ValueError(f"{api}: expected state keys among {known}, got {unknown}")
-    fields = {key: f for f, key, in_torch in keys.entries if in_torch}
-    out: list[Mapping[str, Any] | None] = []
-    for t, spec in enumerate(plan.tensors):
-        entry = state.get(key_of[t]) if keys.covers(t) else None
-        out.append(entry)
-        if entry is None:
-            continue
-        expected = {
-            key: () if f.granularity is FieldGranularity.PER_PIECE else spec.shape
-            for key, f in fields.items()
-        }
-        expected.update(keys.shapes(spec.shape, torch.float32))
-        if not isinstance(entry, Mapping) or set(entry) != set(expected):
-            got_keys = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
-            raise ValueError(
-                f"{api}: expected state[{key_of[t]!r}] with keys {sorted(expected)}, got {got_keys}"
-            )
-        for key, shape in expected.items():
-            value = torch.as_tensor(entry[key])
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(
-                    f"{api}: expected state[{key_of[t]!r}][{key!r}] of shape {tuple(shape)}, "
-                    f"got {tuple(value.shape)}"
-                )
-    return out
+    return [state.get(key_of[t]) if keys.covers(t) else None for t in range(len(plan.tensors))]

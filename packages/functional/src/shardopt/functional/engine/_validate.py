@@ -13,7 +13,7 @@ import torch.distributed as dist
 from shardopt.core import Plan
 from shardopt.core.blocks import needs_whole_tensors
 from shardopt.functional.engine._collectives import ProcessGroup, all_gather_rows, comm_device
-from shardopt.functional.engine._failure import raised_on_every_rank
+from shardopt.functional.engine._failure import error_text, raised_on_every_rank
 
 __all__ = [
     "agree_across_ranks",
@@ -222,7 +222,8 @@ def agree_across_ranks(
 
     A rank's own ``error`` is raised there (an exception as it is, prefixed with ``api`` where
     its message does not name it; a message as a ValueError ``"{api}: expected {error}"``); the
-    other ranks raise a ValueError naming the failed ranks.
+    other ranks raise a ValueError naming the failed ranks and carrying the first one's error
+    (escaped and capped as [Note: publishing an error]; one more exchange, on this path only).
     One all-gather of two int64 per rank (see [Note: cross-rank validation]). Where the
     fingerprints differ, ``fields()`` (what was fingerprinted, as nested mappings and lists) is
     exchanged once more and the error names the first field that differs, with each rank's
@@ -230,16 +231,21 @@ def agree_across_ranks(
     """
     row = torch.tensor([0 if error is None else 1, print_], dtype=torch.int64)
     rows = all_gather_rows(row.to(comm_device(group)), group=group).cpu()
-    if isinstance(error, BaseException):
-        raise raised_on_every_rank(_naming(api, error))
-    if error is not None:
-        raise raised_on_every_rank(ValueError(f"{api}: expected {error}"))
     failed = [r for r in range(rows.shape[0]) if rows[r, 0].item()]
     if failed:
+        mine = None
+        if isinstance(error, BaseException):
+            mine = _naming(api, error)
+        elif error is not None:
+            mine = ValueError(f"{api}: expected {error}")
+        reasons = _reasons(mine, group) if len(failed) < rows.shape[0] else []
+        if mine is not None:
+            raise raised_on_every_rank(mine)
+        first = failed[0]
         raise raised_on_every_rank(
             ValueError(
-                f"{api}: expected valid input on every rank, got an error on rank(s) {failed} "
-                "(see its message)"
+                f"{api}: expected valid input on every rank, got an error on rank(s) {failed}; "
+                f"rank {first}: {reasons[first]}"
             )
         )
     prints = rows[:, 1].tolist()
@@ -319,6 +325,14 @@ def ranks_with(flag: bool, group: ProcessGroup = None) -> list[int]:
     row = torch.tensor([int(bool(flag))], dtype=torch.int64, device=comm_device(group))
     rows = all_gather_rows(row, group=group).cpu()
     return [r for r in range(rows.shape[0]) if rows[r, 0].item()]
+
+
+def _reasons(mine: BaseException | None, group: ProcessGroup) -> list[str | None]:
+    """Every rank's error as published text (escaped and capped, as [Note: publishing an
+    error]), None where none; collective, on the failure path only (one all_gather_object)."""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, None if mine is None else error_text(mine), group=group)
+    return every
 
 
 def _naming(api: str, error: BaseException) -> BaseException:

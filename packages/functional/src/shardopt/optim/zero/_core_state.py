@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
-from shardopt.functional import ShardedState, consolidate_state_dict, load_torch_state_dict
-from shardopt.functional.checkpoint import field_keys, has_state, piece_value, to_cpu
+from shardopt.functional import ShardedState, consolidate_state_dict
+from shardopt.functional.checkpoint import (
+    field_keys,
+    has_state,
+    piece_value,
+    to_cpu,
+    write_torch_state_dict,
+)
 from shardopt.functional.engine import ProcessGroup, piece_slots
 from shardopt.optim.zero._params import API
 
@@ -71,8 +77,9 @@ def consolidate_flat(
 
 
 def load_flat(unit: Any, entries: Sequence[dict[str, Any] | None]) -> None:
-    """Loads torch-form ``entries`` (one per parameter of the group, None: none) into this rank's
-    slice of the group's state (see [Note: flat state in torch's form])."""
+    """Loads torch-form ``entries`` (one per parameter of the group, None: none), checked already
+    ([Note: incoming state]), into this rank's slice of the group's state (see [Note: flat
+    state in torch's form])."""
     param_buffers = unit.state.param_buffers
     slots = piece_slots(param_buffers)
     shaped = field_keys(unit.state, API, torch_only=True).shaped
@@ -87,4 +94,4 @@ def load_flat(unit: Any, entries: Sequence[dict[str, Any] | None]) -> None:
                     t.zero_()
     state = {t: e for t, e in enumerate(entries) if e is not None}
     sd = {"state": state, "param_groups": [{"params": list(range(len(entries)))}]}
-    load_torch_state_dict(unit.state, sd)
+    write_torch_state_dict(f"{API}.load_state_dict", unit.state, sd, domain=False)

@@ -22,6 +22,7 @@ from shardopt.optim.zero._classes import (
     steps_per_bucket,
 )
 from shardopt.optim.zero._core_optimizer import Wire
+from shardopt.optim.zero._incoming import checked_load
 from shardopt.optim.zero._join import ZeroJoinHook
 from shardopt.optim.zero._modes import mode_switch
 from shardopt.optim.zero._params import (
@@ -38,7 +39,6 @@ from shardopt.optim.zero._partition import copy_hyperparameters
 from shardopt.optim.zero._state_dicts import (
     SavedState,
     checked_rank,
-    saved_entries,
     starts_stateless,
     wide_entries,
 )
@@ -438,14 +438,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         cls, defaults, device = self._optim_constructor, self._optim_defaults, self._default_device
         return bool(self._cached("stateless", lambda: starts_stateless(cls, defaults, device)))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    @fails_together(f"{API}.load_state_dict")
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_nonfinite: bool = False) -> None:
         """Loads a global state dict (ours, torch's ZeroRedundancyOptimizer's or a plain
-        torch.optim one over the same parameters): each rank keeps what it owns.
+        torch.optim one over the same parameters): each rank keeps what it owns. Must be
+        called on every rank, with the same dict.
+
+        Every entry is checked first against what this optimizer makes ([Note: incoming
+        state]): the keys a step creates, each tensor's shape, dtype and memory, the
+        hyperparameters' types, step counts and second moments >= 0, every value finite. A
+        refusal is raised on every rank together, and nothing is loaded.
+        ``allow_nonfinite=True`` loads NaN and inf values (a diverged run, reloaded on purpose).
 
         Raises:
-            ValueError: the param groups do not have this optimizer's sizes.
+            ValueError: the param groups do not have this optimizer's sizes, or an entry or a
+                hyperparameter is refused, on every rank.
         """
-        entries = saved_entries(state_dict, self.param_groups)
+        api = f"{API}.load_state_dict"
+        entries = agreed(
+            api,
+            lambda: (checked_load(api, self, state_dict, allow_nonfinite=allow_nonfinite), {}),
+            self.process_group,
+            lambda: self._default_device,
+        )
         self._saved.changed(loaded_state=bool(state_dict["state"]))
         copy_hyperparameters(state_dict["param_groups"], self.param_groups)
         self._backend.load(state_dict["param_groups"], entries, wide_entries(state_dict))
