@@ -155,11 +155,18 @@ def _install(session: nox.Session, requirements: str = "ci/requirements.txt") ->
     session.install("--no-deps", *(arg for p in PACKAGES for arg in ("-e", p)))
 
 
+# Each xdist worker takes another's pending tests once its own run out ("worksteal"), so the
+# suite does not end on one worker finishing a heavy file while the other waits: the suite took
+# 241 and 249 s this way against 274 s with xdist's default ("load"), back to back on the 2-core
+# machine (docs/performance.md, "The quick start and CI").
+XDIST = ("-n", "auto", "--dist", "worksteal")
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Runs the whole suite with pytest-xdist (a run that collects nothing fails: exit 5)."""
     bin_dir, env = _shared_env(session)
-    args = session.posargs or ["-n", "auto", "--timeout=600", "--doctest-modules", *TEST_PATHS]
+    args = session.posargs or [*XDIST, "--timeout=600", "--doctest-modules", *TEST_PATHS]
     session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
 
@@ -174,7 +181,7 @@ def torch_range(session: nox.Session, torch: str) -> None:
         bin_dir, env = _venv(session, where, (f"torch=={torch}", "-r", "ci/requirements-test.txt"))
     doctests = ("--doctest-modules", "README.md", "docs", *SOURCE_PATHS)
     doctests = doctests if torch != TORCH_FLOOR else ()
-    args = session.posargs or ["-n", "auto", "--timeout=600", *RANGE_TESTS, *doctests]
+    args = session.posargs or [*XDIST, "--timeout=600", *RANGE_TESTS, *doctests]
     session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
 
@@ -197,7 +204,7 @@ def integration(session: nox.Session) -> None:
     """The integration tests in transformers, accelerate and Lightning ([Note: integration])."""
     bin_dir, env = _venv(session, INTEGRATION, INTEGRATION_REQUIREMENTS)
     env = {**env, "SHARDOPT_INTEGRATION": "1"}
-    options = ("-n", "auto", "--timeout=600", "-p", "no:cacheprovider")
+    options = (*XDIST, "--timeout=600", "-p", "no:cacheprovider")
     args = session.posargs or [*options, *INTEGRATION_TESTS]
     session.run(os.path.join(bin_dir, "pytest"), *args, env=env, external=True)
 
