@@ -156,9 +156,9 @@ def _install(session: nox.Session, requirements: str = "ci/requirements.txt") ->
 
 
 # Each xdist worker takes another's pending tests once its own run out ("worksteal"), so the
-# suite does not end on one worker finishing a heavy file while the other waits: the suite took
-# 241 and 249 s this way against 274 s with xdist's default ("load"), back to back on the 2-core
-# machine (docs/performance.md, "The quick start and CI").
+# suite need not end on one worker finishing a heavy file while the other waits. Measured on the
+# 2-core machine: 241 and 249 s against 274 s with xdist's default ("load") in the dev venv, back
+# to back; 253 s against 252 s from fresh clones an hour apart, within the machine's noise.
 XDIST = ("-n", "auto", "--dist", "worksteal")
 
 
