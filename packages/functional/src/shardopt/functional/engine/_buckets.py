@@ -192,20 +192,27 @@ class BucketMap:
         """None if ``params`` are still the views of the buffers made by ``init``, else why not."""
         if len(params) != len(self.plan.tensors):
             return f"{len(self.plan.tensors)} parameters (as in the plan), got {len(params)}"
-        if self._still_views(params):
+        if self._fast_check(params):
             return None
         if self.rebind is not None:  # a strategy for moved parameters, set by the owner
             self.rebind(params)
-            if self._still_views(params):
+            if self._fast_check(params):
                 return None
+        shapes_matter = self._view_places is None or self._view_places[2] is not None
         for t, p in enumerate(map(local_tensor, params)):
             moved = p.numel() > 0 and p.data_ptr() != self.address_of(t)
-            if moved or tuple(p.shape) != self.plan.tensors[t].shape:
+            if moved or (shapes_matter and tuple(p.shape) != self.plan.tensors[t].shape):
                 return (
                     f"the parameters given to init (views of the flat buffers), got params[{t}] "
                     "elsewhere"
                 )
         return None
+
+    def _fast_check(self, params: Sequence[torch.Tensor]) -> bool:
+        try:
+            return self._still_views(params)
+        except RuntimeError:  # a tensor without storage of its own (a DTensor): the slow path
+            return False
 
 
 _DATA_PTR = torch.Tensor.data_ptr

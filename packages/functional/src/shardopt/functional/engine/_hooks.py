@@ -215,7 +215,7 @@ class GradReducer:
         params = self._params
         n = len(self.present)
         trainable = list(map(_REQUIRES_GRAD, params)) if params else [False] * n
-        self._ready[:] = [False] * len(self.present)  # in place: the hooks hold these lists
+        self._ready[:] = [False] * n  # in place: the hooks hold these lists
         self.grads.expect(trainable)  # counts each bucket's readiness
         self._queued = False
         self._hooks_run = 0
