@@ -20,15 +20,10 @@ from shardopt.functional.engine._collectives import (
     reduce_scatter_bucket,
 )
 from shardopt.functional.engine._failure import RankFailedError
-from shardopt.functional.engine._hooks import (
-    GradHooks,
-    ParamHooks,
-    register_grad_hooks,
-    register_param_hooks,
-    wait_params,
-)
+from shardopt.functional.engine._hooks import GradHooks, register_grad_hooks
 from shardopt.functional.engine._local_sgd import average_params, averaging_due, local_sgd_step
 from shardopt.functional.engine._param_buffers import ParamBuffers
+from shardopt.functional.engine._param_hooks import ParamHooks, register_param_hooks, wait_params
 from shardopt.functional.engine._renamed import warn_renamed
 from shardopt.functional.engine._state import FieldGranularity, ShardedState, StateField, StepStats
 

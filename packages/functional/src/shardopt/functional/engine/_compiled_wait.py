@@ -1,6 +1,6 @@
 """What the parameter hooks do under ``torch.compile``: wait inside the graph, or break it once.
 
-See [Note: compiled forward] in _hooks.py.
+See [Note: compiled forward] in _param_hooks.py.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ __all__ = ["BucketKey", "ParamBuffers", "build_param_buffers"]
 # then launches the gathers in bucket order and returns at once ([Note: update and gather
 # pipeline]); the gathers run while the caller starts the next forward: each module's forward
 # pre-hook waits for the buckets holding its parameters (and, in order, those before them: see
-# [Note: compiled forward] in _hooks.py), so compute on a bucket starts when it has arrived.
+# [Note: compiled forward] in _param_hooks.py), so compute on a bucket starts when it has arrived.
 # Until then the parameters hold a mix of old and new values, so everything that reads them
 # outside a forward waits first: the next ``step`` (its update writes the shards the
 # gathers are sending), ``sharded_state_dict``, ``consolidate_state_dict``, ``save_checkpoint``,
@@ -164,7 +164,8 @@ class ParamBuffers(BucketMap):
 
     def wait_params_through(self, end: int) -> None:
         """Waits, in bucket order, for the parameter syncs in flight of the first ``end``
-        buckets of ``keys``; then ``synced >= end`` (see [Note: compiled forward] in _hooks.py)."""
+        buckets of ``keys``; then ``synced >= end`` (see [Note: compiled forward] in
+        _param_hooks.py)."""
         self.wait_params(self.keys[self.synced : end])
 
     @property
